@@ -1,0 +1,125 @@
+"""An independent plain-torch ResFormer forward pass, written from the paper's equations.
+
+It reads only the state dict and the config fields, never the package's modules, so agreement with
+`ResFormerForCausalLM` checks the implementation rather than restating it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def effective_weights(config, state: dict[str, torch.Tensor]) -> dict[int, dict[int, float]]:
+    """For each receiving layer n: {source layer j: weight on V_j} (j == n is the layer's own value)."""
+    variant = config.value_residual
+    L = config.num_hidden_layers
+    if variant == "none":
+        return {}
+    if config.value_residual_layers is not None:
+        receivers = sorted(config.value_residual_layers)
+    elif variant == "sparse":
+        receivers = list(range(L - math.ceil(3 * L / 8), L))
+    else:
+        receivers = list(range(1, L))
+    defaults = {
+        "identity": (0.5, 0.5), "constant": (2.0, 1.0), "learnable": (0.5, 0.5), "learnable_plus": (None, 0.5),
+        "sparse": (5.0, 1.0), "dense": (0.5, 0.5), "neutreno": (0.4, None), "svformer": (1.0, 0.0),
+    }
+    first0, self0 = defaults[variant]
+    if config.value_residual_lambda_first is not None:
+        first0 = config.value_residual_lambda_first
+    if config.value_residual_lambda_self is not None:
+        self0 = config.value_residual_lambda_self
+    prefix = "model.value_residual."
+    out: dict[int, dict[int, float]] = {}
+    if variant == "learnable":
+        f = first0 + state[prefix + "lambda_first_offset"]
+        s = self0 + state[prefix + "lambda_self_offset"]
+        for r, n in enumerate(receivers):
+            out[n] = {0: float(f[r]), n: float(s[r])}
+    elif variant == "learnable_plus":
+        scale = (config.value_residual_lambda_scale or L) + float(state[prefix + "lambda_scale_offset"])
+        logits = state[prefix + "lambda_logits"].double()
+        probs = torch.exp(logits) / torch.exp(logits).sum()
+        s = self0 + state[prefix + "lambda_self_offset"]
+        for r, n in enumerate(receivers):
+            out[n] = {0: scale * float(probs[r]), n: float(s[r])}
+    elif variant == "dense":
+        offsets = state[prefix + "dense_weight_offset"]
+        for r, n in enumerate(receivers):
+            weights = {j: float(offsets[r, j]) for j in range(n + 1)}
+            weights[0] += first0
+            weights[n] += self0
+            out[n] = weights
+    elif variant == "neutreno":
+        lam = 0.4 if config.neutreno_lambda is None else config.neutreno_lambda
+        for n in receivers:
+            out[n] = {0: lam}
+    elif variant == "svformer":
+        for n in range(1, L):
+            out[n] = {0: 1.0}
+    else:  # identity, constant, sparse: fixed
+        for n in receivers:
+            out[n] = {0: first0, n: self0}
+    return out
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope(x, positions, theta):
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = positions[:, None].float() * inv[None, :]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Tensor) -> torch.Tensor:
+    """Causal-LM logits [B, T, V] of a ResFormer with these weights, in plain torch (no cache, no padding)."""
+    B, T = input_ids.shape
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    D = config.hidden_size // H
+    eps = config.rms_norm_eps
+    theta = config.rope_parameters["rope_theta"]
+    weights = effective_weights(config, state)
+    positions = torch.arange(T)
+    causal = torch.full((T, T), float("-inf")).triu(1)
+
+    x = state["model.embed_tokens.weight"][input_ids]
+    raw_values: list[torch.Tensor] = []
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        h = rms_norm(x, state[p + "input_layernorm.weight"], eps)
+        q = (h @ state[p + "self_attn.q_proj.weight"].T).view(B, T, H, D).transpose(1, 2)
+        k = (h @ state[p + "self_attn.k_proj.weight"].T).view(B, T, Hkv, D).transpose(1, 2)
+        if config.value_residual == "svformer" and n > 0:
+            v_own = raw_values[0]
+        else:
+            v_own = (h @ state[p + "self_attn.v_proj.weight"].T).view(B, T, Hkv, D).transpose(1, 2)
+        raw_values.append(v_own)
+        v = v_own
+        w = weights.get(n)
+        if w is not None and config.value_residual not in ("neutreno", "svformer"):
+            v = sum(coef * raw_values[j] for j, coef in w.items())
+        q, k = rope(q, positions, theta), rope(k, positions, theta)
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v_rep = v.repeat_interleave(H // Hkv, dim=1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(D) + causal
+        attn = torch.softmax(scores, dim=-1) @ v_rep
+        if w is not None and config.value_residual == "neutreno":
+            attn = attn + w[0] * (raw_values[0] - v_own).repeat_interleave(H // Hkv, dim=1)
+        attn = attn.transpose(1, 2).reshape(B, T, H * D)
+        x = x + attn @ state[p + "self_attn.o_proj.weight"].T
+        h = rms_norm(x, state[p + "post_attention_layernorm.weight"], eps)
+        gate = h @ state[p + "mlp.gate_proj.weight"].T
+        up = h @ state[p + "mlp.up_proj.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ state[p + "mlp.down_proj.weight"].T
+    x = rms_norm(x, state["model.norm.weight"], eps)
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    return x @ head.T

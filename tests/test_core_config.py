@@ -1,0 +1,70 @@
+"""Every invalid ResFormerConfig raises a ValueError that names the field and what to do."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from resformer_hf import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
+from conftest import TINY, tiny_config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"value_residual": "resformer"}, "value_residual='resformer' is not a known variant"),
+        ({"value_residual_layers": [0, 2]}, "value_residual_layers has [0]"),
+        ({"value_residual_layers": [1, 4]}, "value_residual_layers has [4]"),
+        ({"value_residual_layers": [2, 2]}, "lists a layer twice"),
+        ({"value_residual_layers": []}, "value_residual_layers is empty"),
+        ({"value_residual": "constant", "value_residual_lambda_first": math.nan}, "value_residual_lambda_first=nan"),
+        ({"value_residual": "learnable", "value_residual_lambda_self": math.inf}, "value_residual_lambda_self=inf"),
+        ({"value_residual": "learnable_plus", "value_residual_lambda_scale": -math.inf}, "value_residual_lambda_scale"),
+        ({"value_residual": "neutreno", "neutreno_lambda": math.nan}, "neutreno_lambda=nan"),
+        ({"value_residual": "svformer", "num_hidden_layers": 1}, "needs num_hidden_layers >= 2"),
+        ({"value_residual": "identity", "value_residual_lambda_first": 0.3}, "value_residual_lambda_first is ignored"),
+        ({"value_residual": "learnable_plus", "value_residual_lambda_first": 1.0}, "is ignored by value_residual='learnable_plus'"),
+        ({"value_residual": "none", "value_residual_layers": [1]}, "value_residual_layers is ignored"),
+        ({"value_residual": "svformer", "value_residual_layers": [1]}, "value_residual_layers is ignored"),
+        ({"value_residual": "constant", "neutreno_lambda": 0.2}, "neutreno_lambda is ignored"),
+        ({"value_residual": "learnable", "value_residual_lambda_scale": 3.0}, "value_residual_lambda_scale is ignored"),
+    ],
+)
+def test_invalid_configs_raise_value_error_naming_the_field(overrides, message):
+    with pytest.raises(ValueError) as error:
+        ResFormerConfig(**{**TINY, **overrides})
+    assert message in str(error.value)
+
+
+def test_unknown_variant_error_lists_the_allowed_values():
+    with pytest.raises(ValueError) as error:
+        tiny_config("Learnable-Plus")
+    for variant in VALUE_RESIDUAL_VARIANTS:
+        assert variant in str(error.value)
+
+
+def test_ignored_field_error_says_which_variants_read_it():
+    with pytest.raises(ValueError, match="choose a variant that reads it: learnable_plus"):
+        tiny_config("dense", value_residual_lambda_scale=2.0)
+
+
+def test_defaults_and_receivers():
+    assert ResFormerConfig().value_residual == "learnable_plus"
+    assert tiny_config("learnable").value_residual_receivers == [1, 2, 3]
+    assert tiny_config("none").value_residual_receivers == []
+    assert tiny_config("sparse", num_hidden_layers=8).value_residual_receivers == [5, 6, 7]  # ceil(3*8/8) = 3
+    assert tiny_config("identity", value_residual_layers=[3, 1]).value_residual_receivers == [1, 3]
+    assert tiny_config("learnable_plus").value_residual_lambda_scale_resolved == 4.0
+
+
+def test_config_round_trips_through_json(tmp_path):
+    config = tiny_config("dense", value_residual_layers=[2, 3], value_residual_lambda_first=0.25)
+    config.save_pretrained(tmp_path)
+    loaded = ResFormerConfig.from_pretrained(tmp_path)
+    assert loaded.model_type == "resformer"
+    assert (loaded.value_residual, loaded.value_residual_layers, loaded.value_residual_lambda_first) == (
+        "dense",
+        [2, 3],
+        0.25,
+    )

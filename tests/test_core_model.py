@@ -1,0 +1,227 @@
+"""The model against an independent plain-torch reference, HF Llama, and itself across backends and flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from resformer_hf import ResFormerForCausalLM, ResFormerModel
+from conftest import TINY, tiny_config
+from reference import reference_logits
+
+# Non-default λ for every variant that takes them, so the reference checks the fields are really read.
+NON_DEFAULT = {
+    "none": {},
+    "identity": {"value_residual_layers": [1, 3]},
+    "constant": {"value_residual_lambda_first": 1.5, "value_residual_lambda_self": 0.7},
+    "learnable": {"value_residual_lambda_first": 0.3, "value_residual_lambda_self": 0.9},
+    "learnable_plus": {"value_residual_lambda_self": 0.8, "value_residual_lambda_scale": 2.5},
+    "sparse": {"value_residual_lambda_first": 3.0, "value_residual_lambda_self": 0.8},
+    "dense": {"value_residual_lambda_first": 0.4, "value_residual_lambda_self": 0.6, "value_residual_layers": [2, 3]},
+    "svformer": {},
+    "neutreno": {"neutreno_lambda": 0.7, "value_residual_layers": [2, 3]},
+}
+
+
+def randomised_model(variant: str, **overrides) -> ResFormerForCausalLM:
+    """A tiny model whose learnable λ offsets are random, so trained-looking λ are exercised."""
+    model = ResFormerForCausalLM(tiny_config(variant, **{**NON_DEFAULT[variant], **overrides})).eval()
+    with torch.no_grad():
+        for parameter in model.model.value_residual.parameters():
+            parameter.uniform_(-0.4, 0.4)
+    return model
+
+
+def test_every_variant_matches_the_plain_reference(variant):
+    model = randomised_model(variant)
+    input_ids = torch.randint(3, 128, (2, 11))
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    expected = reference_logits(model.config, state, input_ids)
+    actual = model(input_ids).logits
+    assert (actual - expected).abs().max().item() <= 1e-5
+
+
+def test_value_residual_changes_the_output(variant):
+    """Guards the reference test against a model and reference that both ignore λ."""
+    if variant in ("none", "svformer"):
+        pytest.skip("'none' is plain Llama by definition; svformer has different parameters (no v_proj)")
+    model = randomised_model(variant)
+    plain = ResFormerForCausalLM(tiny_config("none")).eval()
+    plain.load_state_dict(model.state_dict(), strict=False)
+    input_ids = torch.randint(3, 128, (1, 9))
+    assert (model(input_ids).logits - plain(input_ids).logits).abs().max().item() > 1e-3
+
+
+def test_none_loaded_from_a_llama_checkpoint_gives_llamas_logits(tmp_path):
+    llama = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    llama.save_pretrained(tmp_path)
+    model = ResFormerForCausalLM.from_pretrained(tmp_path, value_residual="none").eval()
+    input_ids = torch.randint(3, 128, (2, 13))
+    with torch.no_grad():
+        delta = (model(input_ids).logits - llama(input_ids).logits).abs().max().item()
+    assert delta <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "svformer", "neutreno"])
+def test_attention_backends_agree(variant):
+    torch.manual_seed(1)
+    model = randomised_model(variant)
+    input_ids = torch.randint(3, 128, (2, 10))
+    mask = torch.ones_like(input_ids)
+    mask[1, :3] = 0  # left padding exercises the backends' mask handling
+    logits = {}
+    for backend in ("eager", "sdpa", "flex_attention"):
+        model.set_attn_implementation(backend)
+        with torch.no_grad():
+            logits[backend] = model(input_ids, attention_mask=mask).logits
+    keep = mask.bool()
+    for backend in ("sdpa", "flex_attention"):
+        assert (logits[backend][keep] - logits["eager"][keep]).abs().max().item() <= 1e-5, backend
+
+
+@pytest.mark.parametrize("variant", ["learnable", "learnable_plus", "dense", "neutreno", "svformer"])
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_gives_the_same_gradients(variant, use_reentrant):
+    model = randomised_model(variant).train()
+    input_ids = torch.randint(3, 128, (2, 9))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    checkpointed = gradients()
+    model.activation_checkpointing_disable()
+    assert plain.keys() == checkpointed.keys()
+    assert any("value_residual" in n for n in plain) == (variant in ("learnable", "learnable_plus", "dense"))
+    for name in plain:
+        assert torch.allclose(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("variant", ["learnable", "learnable_plus", "dense"])
+def test_learnable_lambdas_receive_gradients(variant):
+    model = randomised_model(variant).train()
+    input_ids = torch.randint(3, 128, (2, 9))
+    model(input_ids, labels=input_ids).loss.backward()
+    lambdas = dict(model.model.value_residual.named_parameters())
+    assert lambdas, "learnable variants must have λ parameters"
+    for name, parameter in lambdas.items():
+        assert parameter.grad is not None and parameter.grad.abs().sum().item() > 0, name
+
+
+def test_lambda_parameter_names_contain_value_residual_and_weights_keep_llama_names():
+    model = ResFormerForCausalLM(tiny_config("learnable_plus"))
+    llama_names = set(LlamaForCausalLM(LlamaConfig(**TINY)).state_dict())
+    names = set(model.state_dict())
+    extra = names - llama_names
+    assert llama_names <= names
+    assert extra and all("value_residual" in n for n in extra)
+
+
+def test_svformer_has_no_v_proj_after_layer_zero():
+    model = ResFormerForCausalLM(tiny_config("svformer"))
+    names = [n for n in model.state_dict() if "v_proj" in n]
+    assert names == ["model.layers.0.self_attn.v_proj.weight"]
+
+
+def test_value_residual_lambdas_table():
+    L = TINY["num_hidden_layers"]
+    expect = {
+        "none": [[0, 1]] * L,
+        "identity": [[0, 1]] + [[0.5, 0.5]] * (L - 1),
+        "constant": [[0, 1]] + [[2.0, 1.0]] * (L - 1),
+        "learnable": [[0, 1]] + [[0.5, 0.5]] * (L - 1),
+        "learnable_plus": [[0, 1]] + [[L / (L - 1), 0.5]] * (L - 1),
+        "sparse": [[0, 1]] * (L - 2) + [[5.0, 1.0]] * 2,  # ceil(3*4/8) = 2 late layers
+        "dense": [[0, 1]] + [[0.5, 0.5]] * (L - 1),
+        "svformer": [[0, 1]] + [[1.0, 0.0]] * (L - 1),
+        "neutreno": [[0, 1]] + [[0.4, 0.6]] * (L - 1),
+    }
+    for variant, table in expect.items():
+        got = ResFormerModel(tiny_config(variant)).value_residual_lambdas()
+        assert got.dtype == torch.float32 and got.shape == (L, 2)
+        assert torch.allclose(got, torch.tensor(table, dtype=torch.float32)), variant
+
+
+def test_save_and_load_round_trip_is_bit_exact(tmp_path, variant):
+    model = randomised_model(variant)
+    model.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.bin")) and list(tmp_path.glob("*.safetensors"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(loaded) is ResFormerForCausalLM
+    original, reloaded = model.state_dict(), loaded.state_dict()
+    assert original.keys() == reloaded.keys()
+    for name in original:
+        assert torch.equal(original[name], reloaded[name]), name
+    input_ids = torch.randint(3, 128, (1, 8))
+    assert torch.equal(model(input_ids).logits, loaded(input_ids).logits)
+
+
+@pytest.mark.parametrize("variant", ["learnable", "learnable_plus", "dense"])
+def test_missing_lambdas_load_as_documented_initial_values(tmp_path, variant):
+    from safetensors.torch import load_file, save_file
+
+    model = randomised_model(variant)
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(path).items() if "value_residual" not in k}
+    save_file(tensors, path, metadata={"format": "pt"})
+    loaded, info = ResFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == sorted(k for k in model.state_dict() if "value_residual" in k)
+    fresh = ResFormerModel(model.config)  # documented init: zero offsets
+    assert torch.equal(loaded.value_residual_lambdas(), fresh.value_residual_lambdas())
+    for parameter in loaded.model.value_residual.parameters():
+        assert torch.count_nonzero(parameter) == 0
+
+
+def test_output_flags_follow_hf_conventions():
+    model = randomised_model("learnable_plus")
+    model.set_attn_implementation("eager")
+    input_ids = torch.randint(3, 128, (2, 7))
+    out = model(input_ids, output_hidden_states=True, output_attentions=True)
+    L = TINY["num_hidden_layers"]
+    assert len(out.hidden_states) == L + 1 and len(out.attentions) == L
+    assert out.attentions[0].shape == (2, TINY["num_attention_heads"], 7, 7)
+    as_tuple = model(input_ids, return_dict=False)
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.logits)
+
+
+def test_lambdas_stay_float32_when_loading_in_bfloat16(tmp_path):
+    model = randomised_model("learnable_plus")
+    model.save_pretrained(tmp_path)
+    loaded = ResFormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in loaded.model.value_residual.parameters())
+    input_ids = torch.randint(3, 128, (1, 8))
+    logits = loaded(input_ids).logits
+    assert logits.dtype == torch.bfloat16
+    assert (logits.float() - model(input_ids).logits).abs().max().item() < 0.1
+
+
+def test_heads_build_and_run(variant):
+    from transformers import (
+        AutoModelForQuestionAnswering,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    config = tiny_config(variant, num_labels=3)
+    input_ids = torch.randint(3, 128, (2, 6))
+    assert AutoModelForSequenceClassification.from_config(config)(input_ids).logits.shape == (2, 3)
+    assert AutoModelForTokenClassification.from_config(config)(input_ids).logits.shape == (2, 6, 3)
+    assert AutoModelForQuestionAnswering.from_config(config)(input_ids).start_logits.shape == (2, 6)
+
+
+def test_forward_traces_as_one_graph_under_torch_compile():
+    import torch._dynamo
+
+    model = randomised_model("learnable_plus")
+    input_ids = torch.randint(3, 128, (1, 8))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.allclose(compiled(input_ids).logits, model(input_ids).logits, atol=1e-6)
