@@ -1,0 +1,253 @@
+"""Model cards for ResFormer checkpoints, rendered with `huggingface_hub.ModelCard` from the bundled template.
+
+The card states what a reader of the Hub page needs and cannot get from `config.json` at a glance: the variant, the λ
+per layer (learned values matter most after conversion), how to load with and without the plugin, where the model
+came from and how it was trained, and the paper to cite.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import ModelCard, ModelCardData
+
+from .configuration_resformer import ResFormerConfig
+from .value_residual import ValueResidual
+
+#: Name of the template inside the package; `model_cards/resformer.md` in the repository is the same file.
+TEMPLATE_NAME = "model_card_template.md"
+
+_LEARNABLE_VARIANTS = ("learnable", "learnable_plus", "dense")
+
+_VARIANT_LABELS = {
+    "none": "plain Llama (value residual off)",
+    "identity": "ResFormer (identity)",
+    "constant": "ResFormer (constant λ)",
+    "learnable": "ResFormer (learnable λ)",
+    "learnable_plus": "ResFormer (learnable-plus λ)",
+    "sparse": "ResFormer (sparse)",
+    "dense": "ResFormer (dense)",
+    "svformer": "SVFormer",
+    "neutreno": "NeuTRENO",
+}
+
+_VARIANT_SUMMARIES = {
+    "none": "The value residual is switched off: every layer attends over its own values, exactly like Llama.",
+    "identity": "Every receiving layer attends over the plain average `0.5·V_0 + 0.5·V_n`.",
+    "constant": "Every receiving layer mixes in layer 0's values with one fixed pair of weights.",
+    "learnable": "Every receiving layer mixes in layer 0's values with its own learned pair of weights.",
+    "learnable_plus": (
+        "Receiving layers mix in layer 0's values with `λ_first = λ_scale·softmax(logits)` over the layers and a "
+        "learned `λ_self` per layer (the paper's best variant)."
+    ),
+    "sparse": "Only a few late layers mix in layer 0's values, with a fixed pair of weights.",
+    "dense": "Every receiving layer mixes in the values of all earlier layers with learned weights.",
+    "svformer": (
+        "Layers after the first have no value projection: they all attend over layer 0's values, which roughly "
+        "halves the KV cache."
+    ),
+    "neutreno": (
+        "The NeuTRENO baseline: each receiving layer adds `λ·(V_0 − V_n)` to its attention output."
+    ),
+}
+
+_INIT_SUMMARIES = {
+    "preserve": "λ start where the converted model computes exactly what the base model computed",
+}
+
+
+def _template_path() -> Path:
+    """The template shipped inside the package, so installed (non-editable) copies can render cards too."""
+    return Path(str(importlib.resources.files(__package__).joinpath(TEMPLATE_NAME)))
+
+
+def _lambda_table(config: ResFormerConfig, lambdas: Any) -> torch.Tensor:
+    """The [L, 2] table to print: the given one, checked, or the config's initial/fixed values."""
+    if lambdas is None:
+        return ValueResidual(config).lambda_table()
+    table = torch.as_tensor(lambdas, dtype=torch.float32).detach().cpu()
+    expected = (config.num_hidden_layers, 2)
+    if tuple(table.shape) != expected:
+        raise ValueError(
+            f"lambdas has shape {tuple(table.shape)}, expected {expected} (layers × (λ_first, λ_self)); pass "
+            "model.value_residual_lambdas()."
+        )
+    if not torch.isfinite(table).all():
+        raise ValueError("lambdas contains NaN or infinity; check the training run before publishing.")
+    return table
+
+
+def _lambda_note(variant: str, given: bool) -> str:
+    if variant in _LEARNABLE_VARIANTS:
+        note = (
+            "The values below are the learned ones stored in this checkpoint."
+            if given
+            else "The values below are the initial values from the config; training changes them."
+        )
+    else:
+        note = "The values below are fixed by the variant."
+    if variant == "dense":
+        note += " `dense` also mixes in every earlier layer's values; the table shows only the weights on V_0 and V_n."
+    elif variant == "svformer":
+        note += " SVFormer layers n ≥ 1 have no `v_proj` and attend over V_0 itself."
+    elif variant == "neutreno":
+        note += " NeuTRENO adds `λ·(V_0 − V_n)` after attention; the table shows λ as λ_first and 1 − λ as λ_self."
+    return note
+
+
+def _format_fact(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_format_fact(item) for item in value)
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _as_list(value: str | Sequence[str] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(item) for item in value]
+
+
+def build_model_card(
+    config: ResFormerConfig,
+    *,
+    base_model: str | None = None,
+    init: str | None = None,
+    lambdas: Any = None,
+    datasets: str | Sequence[str] | None = None,
+    training: Mapping[str, Any] | None = None,
+    license: str | None = None,
+    model_id: str | None = None,
+) -> ModelCard:
+    """Render the card of a ResFormer checkpoint.
+
+    Args:
+        config: the model's `ResFormerConfig`.
+        base_model: Hub id (or path) of the Llama checkpoint this one was converted from; goes into the metadata.
+        init: the conversion's λ initialisation (e.g. `"preserve"`).
+        lambdas: effective (λ_first, λ_self) per layer, `model.value_residual_lambdas()`; without it the table shows
+            the config's initial (or fixed) values.
+        datasets: Hub dataset ids used for training (metadata) or free-text names of other data (text only).
+        training: training facts to list (steps, learning rate, final loss, ...), printed in the given order.
+        license: SPDX-like Hub licence id (e.g. `"apache-2.0"`); left out of the metadata when unknown.
+        model_id: the repo id (or path) readers load the model from; used in the code snippets and the title.
+    """
+    if not isinstance(config, ResFormerConfig):
+        raise TypeError(
+            f"config must be a ResFormerConfig, got {type(config).__name__}; pass model.config of a ResFormer model."
+        )
+    variant = config.value_residual
+    table = _lambda_table(config, lambdas)
+    receivers = set(config.value_residual_receivers) if variant != "svformer" else set(range(1, table.shape[0]))
+    dataset_list = _as_list(datasets)
+    hub_datasets = [name for name in dataset_list if _looks_like_hub_id(name)]
+
+    tags = ["resformer", "value-residual", "custom_code"]
+    if variant == "svformer":
+        tags.append("svformer")
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+        license=license,
+        base_model=base_model if base_model and _looks_like_hub_id(base_model) else None,
+        datasets=hub_datasets or None,
+        model_name=model_id.rstrip("/").split("/")[-1] if model_id else None,
+    )
+    lambda_rows = [
+        {
+            "layer": layer,
+            "receives": layer in receivers,
+            "first": f"{table[layer, 0].item():.4f}",
+            "self": f"{table[layer, 1].item():.4f}",
+        }
+        for layer in range(table.shape[0])
+    ]
+    if license:
+        license_text = f"`{license}`"
+    elif base_model:
+        license_text = "not stated here; the base model's licence applies"
+    else:
+        license_text = "not stated"
+    from . import __version__  # late: the package imports this module's siblings first
+
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(_template_path()),
+        title=model_id.rstrip("/").split("/")[-1] if model_id else f"{_VARIANT_LABELS[variant]} language model",
+        variant=variant,
+        variant_label=_VARIANT_LABELS[variant],
+        variant_summary=_VARIANT_SUMMARIES[variant],
+        base_model=base_model,
+        base_model_url=_base_model_url(base_model),
+        init=init,
+        init_summary=_INIT_SUMMARIES.get(init, "see `resformer_hf.conversion`"),
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        vocab_size=config.vocab_size,
+        receivers=", ".join(str(layer) for layer in sorted(receivers)) or "none",
+        license_text=license_text,
+        model_id=model_id or "path/to/this/model",
+        lambda_note=_lambda_note(variant, lambdas is not None),
+        lambda_rows=lambda_rows,
+        dataset_list=dataset_list,
+        training_rows=[(str(key), _format_fact(value)) for key, value in (training or {}).items()],
+        training=bool(training),
+        package_version=__version__,
+    )
+
+
+def write_model_card(
+    save_directory: str | os.PathLike,
+    config: ResFormerConfig,
+    *,
+    base_model: str | None = None,
+    init: str | None = None,
+    lambdas: Any = None,
+    datasets: str | Sequence[str] | None = None,
+    training: Mapping[str, Any] | None = None,
+    license: str | None = None,
+    model_id: str | None = None,
+) -> Path:
+    """Write the card as `README.md` into `save_directory` (created if missing); returns its path."""
+    card = build_model_card(
+        config,
+        base_model=base_model,
+        init=init,
+        lambdas=lambdas,
+        datasets=datasets,
+        training=training,
+        license=license,
+        model_id=model_id,
+    )
+    directory = Path(save_directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "README.md"
+    card.save(path)
+    return path
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """Hub ids are `name` or `owner/name` without spaces or path separators beyond one slash."""
+    return bool(name) and " " not in name and name.count("/") <= 1 and not os.path.exists(name)
+
+
+def _base_model_url(base_model: str | None) -> str | None:
+    if base_model is None:
+        return None
+    return f"https://huggingface.co/{base_model}" if _looks_like_hub_id(base_model) else None
+
+
+__all__ = ["build_model_card", "write_model_card"]

@@ -1,0 +1,143 @@
+"""Model cards: Hub metadata, the λ table against the model's own λ, round trip through README.md, and the template
+shipping with a non-editable install."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+
+from resformer_hf import ResFormerForCausalLM
+from resformer_hf.model_card import TEMPLATE_NAME, build_model_card, write_model_card
+
+from conftest import tiny_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ROW = re.compile(r"^\| (\d+) \| (yes|no) \| (-?[\d.]+) \| (-?[\d.]+) \|$", re.MULTILINE)
+
+
+def _table(card: ModelCard) -> torch.Tensor:
+    """The λ table as printed, parsed back to numbers: [L, 2] plus the 'uses V_0' column."""
+    rows = ROW.findall(card.content)
+    return torch.tensor([[float(first), float(own)] for _, _, first, own in rows]), [r[1] == "yes" for r in rows]
+
+
+def test_metadata_for_a_converted_fine_tuned_model():
+    card = build_model_card(
+        tiny_config("learnable"),
+        base_model="meta-llama/Llama-3.2-1B",
+        init="preserve",
+        datasets=["wikitext", "my local notes"],
+        training={"steps": 30, "final train loss": 2.3456789},
+        license="apache-2.0",
+        model_id="someone/tiny-resformer",
+    )
+    data = card.data.to_dict()
+    assert data["library_name"] == "transformers"
+    assert data["pipeline_tag"] == "text-generation"
+    assert {"resformer", "value-residual"} <= set(data["tags"])
+    assert data["license"] == "apache-2.0"
+    assert data["base_model"] == "meta-llama/Llama-3.2-1B"
+    assert data["datasets"] == ["wikitext"]  # free text is shown in the body, never claimed as a Hub dataset
+    text = card.content
+    assert "my local notes" in text
+    assert "| final train loss | 2.346 |" in text
+    assert 'from_pretrained("someone/tiny-resformer", trust_remote_code=True)' in text
+    assert "import resformer_hf" in text
+    assert '`init="preserve"`' in text
+    assert "@inproceedings{zhou2025value" in text and "2410.17897" in text
+
+
+def test_unknown_facts_stay_out_of_the_metadata():
+    card = build_model_card(tiny_config("constant"))
+    data = card.data.to_dict()
+    assert "license" not in data and "base_model" not in data and "datasets" not in data
+    assert "## Training" not in card.content
+    assert "fixed by the variant" in card.content
+
+
+def test_lambda_table_shows_the_learned_values_of_the_model():
+    model = ResFormerForCausalLM(tiny_config("learnable_plus"))
+    with torch.no_grad():  # move λ away from their init, as training would
+        for parameter in model.model.value_residual.parameters():
+            parameter.copy_(torch.randn_like(parameter) * 0.3)
+    expected = model.value_residual_lambdas()
+    card = build_model_card(model.config, lambdas=expected)
+    printed, receives = _table(card)
+    assert printed.shape == (4, 2)
+    assert torch.allclose(printed, expected, atol=5e-5)
+    assert receives == [False, True, True, True]
+    assert "learned ones stored in this checkpoint" in card.content
+
+
+def test_lambda_table_defaults_to_the_documented_initial_values():
+    # learnable_plus: λ_scale starts at L = 4, softmax of zero logits over the 3 receivers -> λ_first = 4/3.
+    printed, _ = _table(build_model_card(tiny_config("learnable_plus")))
+    expected = torch.tensor([[0.0, 1.0], [4 / 3, 0.5], [4 / 3, 0.5], [4 / 3, 0.5]])
+    assert torch.allclose(printed, expected, atol=5e-5)
+    # sparse on 4 layers: the last ceil(3*4/8) = 2 layers get the fixed (5, 1).
+    printed, receives = _table(build_model_card(tiny_config("sparse")))
+    assert torch.allclose(printed, torch.tensor([[0.0, 1.0], [0.0, 1.0], [5.0, 1.0], [5.0, 1.0]]))
+    assert receives == [False, False, True, True]
+
+
+def test_write_model_card_round_trips_through_readme(tmp_path):
+    config = tiny_config("svformer")
+    path = write_model_card(tmp_path / "out", config, license="mit", training={"steps": 5})
+    assert path == tmp_path / "out" / "README.md"
+    loaded = ModelCard.load(path)
+    assert loaded.data.license == "mit"
+    assert "svformer" in loaded.data.tags
+    assert loaded.content == build_model_card(config, license="mit", training={"steps": 5}).content
+
+
+def test_bad_arguments_say_what_to_pass():
+    config = tiny_config()
+    with pytest.raises(ValueError, match=r"shape \(3, 2\).*value_residual_lambdas"):
+        build_model_card(config, lambdas=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="NaN"):
+        build_model_card(config, lambdas=torch.full((4, 2), float("nan")))
+    with pytest.raises(TypeError, match="ResFormerConfig"):
+        build_model_card({"value_residual": "learnable"})
+
+
+def test_package_template_is_the_repository_template():
+    assert (REPO_ROOT / "resformer_hf" / TEMPLATE_NAME).read_bytes() == (
+        REPO_ROOT / "model_cards" / "resformer.md"
+    ).read_bytes(), "copy model_cards/resformer.md to resformer_hf/model_card_template.md"
+
+
+def test_installed_wheel_renders_cards(tmp_path):
+    """Build a wheel from a copy of the sources, install it into a folder and render a card from there."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    shutil.copytree(REPO_ROOT / "resformer_hf", source / "resformer_hf",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp_path / "dist"),
+                    str(source)], check=True, cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read(f"resformer_hf/{TEMPLATE_NAME}") == (REPO_ROOT / "model_cards" / "resformer.md").read_bytes()
+        archive.extractall(tmp_path / "site")
+    script = (
+        "import resformer_hf, pathlib; from resformer_hf.model_card import build_model_card;"
+        "print(pathlib.Path(resformer_hf.__file__).parent);"
+        "print(build_model_card(resformer_hf.ResFormerConfig(num_hidden_layers=2, hidden_size=32,"
+        " intermediate_size=64, num_attention_heads=2, vocab_size=64)).data.pipeline_tag)"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            env={"PYTHONPATH": str(tmp_path / "site"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    location, tag = result.stdout.split()
+    assert Path(location) == tmp_path / "site" / "resformer_hf"
+    assert tag == "text-generation"
