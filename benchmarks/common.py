@@ -1,0 +1,113 @@
+"""Helpers shared by the benchmark scripts: building same-size Llama / ResFormer pairs, timing, tables, plots.
+
+Benchmarks are scripts, not tests: they write markdown tables and PNGs under `benchmarks/results/` and always compare
+each variant with HF `LlamaForCausalLM` of the same size measured in the same run, because absolute numbers on a
+shared machine are noise while ratios measured side by side are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import resformer_hf
+from resformer_hf import ResFormerConfig, ResFormerForCausalLM
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: The name benchmarks use for the HF Llama baseline next to ResFormer's `value_residual` variants.
+BASELINE = "llama"
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """`--device`, `--threads` and `--seed`, taken by every benchmark."""
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data order (default 0)")
+
+
+def setup_device(args: argparse.Namespace) -> torch.device:
+    """Apply `--threads` and check `--device` exists, with an error that says what to pass instead."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda was given but torch sees no CUDA GPU; use --device cpu.")
+    return device
+
+
+def model_config(variant: str, **size) -> LlamaConfig:
+    """A `LlamaConfig` (for `variant == "llama"`) or `ResFormerConfig` with exactly the same size fields."""
+    if variant == BASELINE:
+        return LlamaConfig(**size)
+    return ResFormerConfig(**size, value_residual=variant)
+
+
+def build_model(variant: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **size):
+    """`LlamaForCausalLM` or `ResFormerForCausalLM` of the given size (the caller seeds torch first)."""
+    config = model_config(variant, **size)
+    model_class = LlamaForCausalLM if variant == BASELINE else ResFormerForCausalLM
+    return model_class(config).to(device=device, dtype=dtype)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work so wall-clock timings are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_medians(
+    actions: dict[str, Callable[[], None]], repeats: int, warmup: int, device: torch.device
+) -> dict[str, float]:
+    """Median seconds of each action, timed round-robin so load changes on a shared machine hit all of them alike."""
+    for _ in range(warmup):
+        for action in actions.values():
+            action()
+    samples: dict[str, list[float]] = {name: [] for name in actions}
+    for _ in range(repeats):
+        for name, action in actions.items():
+            synchronize(device)
+            start = time.perf_counter()
+            action()
+            synchronize(device)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def environment_line(device: torch.device) -> str:
+    """One line saying where and with what the numbers were measured."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'CPU'}"
+    return (
+        f"Measured {_dt.date.today().isoformat()} on {where} ({device.type}, {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} cores visible), torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"resformer-hf {resformer_hf.__version__}."
+    )
+
+
+def pyplot():
+    """matplotlib's pyplot with a file-only backend (matplotlib is the `benchmarks` extra)."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise SystemExit("benchmarks draw PNGs with matplotlib: pip install -e '.[benchmarks]'") from error
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
