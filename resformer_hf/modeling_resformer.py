@@ -8,12 +8,14 @@ torch, transformers and its sibling files.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers import AutoModel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
@@ -38,6 +40,7 @@ from transformers.utils import TransformersKwargs, auto_docstring
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import ResFormerConfig
 from .value_residual import ValueResidual, mix_values, neutreno_correction
 
@@ -189,6 +192,14 @@ class ResFormerPreTrainedModel(PreTrainedModel):
         "attentions": OutputRecorder(ResFormerAttention, index=1),
     }
 
+    def __init__(self, config: ResFormerConfig, *inputs, **kwargs):
+        # The generic heads build their body with `AutoModel.from_config(config)`. When this file runs as remote code
+        # (`trust_remote_code=True`, no `resformer_hf` installed) nothing has registered this config's class, which
+        # transformers loads from its own copy of configuration_resformer.py; registering it here makes them work.
+        if getattr(config, "model_type", None) == ResFormerConfig.model_type:
+            AutoModel.register(type(config), ResFormerModel, exist_ok=True)
+        super().__init__(config, *inputs, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
@@ -204,6 +215,31 @@ class ResFormerPreTrainedModel(PreTrainedModel):
         `λ(V_0 - V_n)` would make of a token's own values.
         """
         return self.base_model.value_residual.lambda_table()
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """Refuse a checkpoint of the other value-projection layout instead of dropping or random-initialising v_proj.
+
+        SVFormer layers n >= 1 have no `v_proj`; every other variant has one. A mismatch means the checkpoint was
+        trained as a different variant than the config says.
+        """
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        variant = self.config.value_residual
+        if variant == "svformer":
+            extra = _later_v_proj_layers(loading_info.unexpected_keys)
+            if extra:
+                raise ValueError(
+                    f"Variant mismatch: the model is value_residual='svformer' (no v_proj in layers >= 1), but the "
+                    f"checkpoint has v_proj weights for layers {extra}, so it was trained as a non-svformer variant. "
+                    "Load it with the value_residual its config.json names (do not override it with 'svformer')."
+                )
+        else:
+            absent = _later_v_proj_layers(loading_info.missing_keys)
+            if absent:
+                raise ValueError(
+                    f"Variant mismatch: the model is value_residual={variant!r}, but the checkpoint has no v_proj "
+                    f"weights for layers {absent}, so it is an SVFormer checkpoint. Load it with "
+                    "value_residual='svformer' instead of random-initialising those projections."
+                )
 
 
 @auto_docstring
@@ -244,7 +280,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
 
         if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+            past_key_values = new_dynamic_cache(self.config)
 
         if position_ids is None:
             past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
@@ -301,6 +337,24 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
 
     # Llama's causal-LM head is reused as is: the base model is the only difference.
     forward = LlamaForCausalLM.forward
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """`generate()`'s own cache (dynamic, static, ...), with values stored once for SVFormer; a cache the user
+        passed in is left as it is."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        user_defined = getattr(cache, "_is_user_defined", False)
+        if self.config.value_residual == "svformer" and cache is not None and not user_defined:
+            share_first_layer_values(cache)
+
+
+_V_PROJ_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.v_proj\.")
+
+
+def _later_v_proj_layers(keys) -> list[int]:
+    """Sorted layer indices n >= 1 that have a `self_attn.v_proj` entry among `keys`."""
+    layers = {int(match.group(1)) for key in keys if (match := _V_PROJ_KEY.search(key))}
+    return sorted(layer for layer in layers if layer >= 1)
 
 
 class ResFormerForSequenceClassification(GenericForSequenceClassification, ResFormerPreTrainedModel): ...
