@@ -3,6 +3,7 @@
 Importing the package registers model type ``"resformer"`` with transformers' Auto classes.
 """
 
+from .cache_resformer import cache_nbytes
 from .configuration_resformer import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
 from .modeling_resformer import (
     ResFormerForCausalLM,
@@ -28,4 +29,5 @@ __all__ = [
     "ResFormerForTokenClassification",
     "ResFormerForQuestionAnswering",
     "register_auto_classes",
+    "cache_nbytes",
 ]
