@@ -5,6 +5,7 @@ Importing the package registers model type ``"resformer"`` with transformers' Au
 
 from .cache_resformer import cache_nbytes
 from .configuration_resformer import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
+from .conversion import ConversionError, ConversionReport, convert_llama_checkpoint
 from .modeling_resformer import (
     ResFormerForCausalLM,
     ResFormerForQuestionAnswering,
@@ -13,11 +14,13 @@ from .modeling_resformer import (
     ResFormerModel,
     ResFormerPreTrainedModel,
 )
+from .peft_support import LAMBDA_MODULES, register_peft_target_modules
 from .registration import register_auto_classes
 
 __version__ = "0.1.0"
 
 register_auto_classes()
+register_peft_target_modules()  # PEFT's default target modules for "resformer", when PEFT is installed
 
 __all__ = [
     "VALUE_RESIDUAL_VARIANTS",
@@ -30,4 +33,9 @@ __all__ = [
     "ResFormerForQuestionAnswering",
     "register_auto_classes",
     "cache_nbytes",
+    "convert_llama_checkpoint",
+    "ConversionReport",
+    "ConversionError",
+    "LAMBDA_MODULES",
+    "register_peft_target_modules",
 ]

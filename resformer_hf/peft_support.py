@@ -1,0 +1,44 @@
+"""PEFT defaults for model type "resformer": the same target modules as Llama, for every PEFT method.
+
+PEFT picks default `target_modules` by `config.model_type` from its `TRANSFORMERS_MODELS_TO_*_TARGET_MODULES_MAPPING`
+tables, which only know built-in transformers models; without an entry, `get_peft_model(model, LoraConfig())` raises
+"Please specify `target_modules`". A ResFormer has Llama's module names, so it gets Llama's rows.
+
+The λ of the value residual are a handful of scalars in one module, `value_residual`; train them together with LoRA
+by naming it in `modules_to_save` (they are then saved in, and reloaded from, the adapter)::
+
+    LoraConfig(task_type="CAUSAL_LM", modules_to_save=LAMBDA_MODULES)
+
+Not imported by the modeling files (it is not copied for `trust_remote_code`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+#: The module holding every λ; pass as PEFT `modules_to_save` to train the λ alongside an adapter.
+LAMBDA_MODULES = ["value_residual"]
+
+_MODEL_TYPE = "resformer"
+_TEMPLATE_MODEL_TYPE = "llama"
+
+
+def register_peft_target_modules() -> bool:
+    """Give "resformer" Llama's default target modules in every PEFT mapping that lists Llama.
+
+    Returns False (and does nothing) when PEFT is not installed; safe to call more than once. Importing PEFT here
+    costs ~0.1 s once transformers is loaded, so it is done eagerly rather than through an import hook.
+    """
+    if importlib.util.find_spec("peft") is None:
+        return False
+    from peft.utils import constants
+
+    for name in dir(constants):
+        table = getattr(constants, name)
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict) and _TEMPLATE_MODEL_TYPE in table:
+            default = table[_TEMPLATE_MODEL_TYPE]
+            table.setdefault(_MODEL_TYPE, list(default) if isinstance(default, list) else default)
+    return True
+
+
+__all__ = ["LAMBDA_MODULES", "register_peft_target_modules"]
