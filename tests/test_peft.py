@@ -1,0 +1,137 @@
+"""PEFT on a ResFormer: Llama's default target modules, LoRA training, adapter save/reload, merge, and the λ.
+
+References: an HF `LlamaForCausalLM` of the same size for the default target modules, the adapted model's own logits
+for reload and merge, and the untouched base for what must not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from finetune_example import block_dataset, build_tokenizer, english_text, step_losses, tiny_model, training_arguments
+from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
+from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, default_data_collator
+
+from resformer_hf import LAMBDA_MODULES, ResFormerForCausalLM
+from resformer_hf.value_residual import ValueResidual
+
+
+@pytest.fixture(scope="module")
+def data():
+    text = english_text()
+    tokenizer = build_tokenizer(text)
+    dataset = block_dataset(tokenizer, text)
+    probe = torch.tensor(dataset[len(dataset) - 2 :]["input_ids"])  # two blocks for comparing logits
+    return tokenizer, dataset, probe
+
+
+def adapted_module_names(model: torch.nn.Module, marker: str) -> set[str]:
+    return {name for name, module in model.named_modules() if hasattr(module, marker)}
+
+
+def llama_twin(model: ResFormerForCausalLM) -> LlamaForCausalLM:
+    fields = {k: v for k, v in model.config.to_dict().items() if k in LlamaConfig().to_dict() and k != "model_type"}
+    return LlamaForCausalLM(LlamaConfig(**fields))
+
+
+def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=input_ids).logits
+
+
+def train(model, data, output_dir, steps: int = 8) -> list[float]:
+    trainer = Trainer(
+        model=model,
+        args=training_arguments(output_dir, max_steps=steps, learning_rate=2e-2),
+        train_dataset=data[1],
+        data_collator=default_data_collator,
+    )
+    trainer.train()
+    return step_losses(trainer)
+
+
+@pytest.mark.parametrize("variant", ["learnable_plus", "svformer"])
+def test_lora_default_target_modules_are_llamas(variant):
+    assert TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["resformer"] == ["q_proj", "v_proj"]
+    model = tiny_model(value_residual=variant)
+    reference = get_peft_model(llama_twin(model), LoraConfig(task_type="CAUSAL_LM"))
+    expected = adapted_module_names(reference, "lora_A")
+    if variant == "svformer":  # layers n >= 1 have no v_proj: they reuse layer 0's values
+        expected = {name for name in expected if "v_proj" not in name or ".layers.0." in name}
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))
+    assert adapted_module_names(peft_model, "lora_A") == expected
+    assert len(expected) == (6 if variant == "learnable_plus" else 4)
+
+
+def test_other_peft_methods_get_llamas_defaults_too():
+    model = tiny_model()
+    reference = get_peft_model(llama_twin(model), IA3Config(task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(model, IA3Config(task_type="CAUSAL_LM"))
+    expected = adapted_module_names(reference, "ia3_l")
+    assert adapted_module_names(peft_model, "ia3_l") == expected and len(expected) == 9
+
+
+def test_lora_trains_saves_reloads_and_merges(data, tmp_path):
+    model = tiny_model(len(data[0]))
+    model.save_pretrained(tmp_path / "base")
+    probe = data[2]
+    base_logits = logits(model, probe)
+    lambdas_before = model.value_residual_lambdas()
+
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8))
+    losses = train(peft_model, data, tmp_path / "run")
+    assert sum(losses[-3:]) < sum(losses[:3])
+    adapted = logits(peft_model, probe)
+    assert (adapted - base_logits).abs().max() > 1e-3, "training should have moved the adapter off its zero init"
+    with peft_model.disable_adapter():
+        torch.testing.assert_close(logits(peft_model, probe), base_logits, rtol=0, atol=0)  # base weights frozen
+    torch.testing.assert_close(peft_model.value_residual_lambdas(), lambdas_before, rtol=0, atol=0)
+
+    peft_model.save_pretrained(tmp_path / "adapter")
+    files = {p.name for p in (tmp_path / "adapter").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files and not any(f.endswith(".bin") for f in files)
+
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    torch.testing.assert_close(logits(reloaded, probe), adapted, rtol=0, atol=1e-6)
+    merged = reloaded.merge_and_unload()
+    assert isinstance(merged, ResFormerForCausalLM) and not adapted_module_names(merged, "lora_A")
+    torch.testing.assert_close(logits(merged, probe), adapted, rtol=0, atol=1e-5)
+
+
+def test_lambdas_train_with_lora_and_travel_with_the_adapter(data, tmp_path):
+    model = tiny_model(len(data[0]))
+    model.save_pretrained(tmp_path / "base")
+    probe = data[2]
+    lambdas_before = model.value_residual_lambdas()
+
+    config = LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8, modules_to_save=LAMBDA_MODULES)
+    peft_model = get_peft_model(model, config)
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in name}
+    assert trainable and all(".value_residual.modules_to_save.default." in name for name in trainable)
+    train(peft_model, data, tmp_path / "run")
+    trained_lambdas = peft_model.value_residual_lambdas()
+    assert (trained_lambdas - lambdas_before)[1:].abs().min() > 1e-3, "the λ should train with the adapter"
+    original = peft_model.base_model.model.model.value_residual.original_module
+    assert isinstance(original, ValueResidual) and torch.equal(original.lambda_table(), lambdas_before)
+    adapted = logits(peft_model, probe)
+
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as saved:
+        lambda_keys = {key for key in saved.keys() if "value_residual" in key}
+    assert lambda_keys == {
+        f"base_model.model.model.value_residual.{name}"
+        for name in ("lambda_logits", "lambda_scale_offset", "lambda_self_offset")
+    }
+
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    torch.testing.assert_close(reloaded.value_residual_lambdas(), trained_lambdas, rtol=0, atol=0)
+    torch.testing.assert_close(logits(reloaded, probe), adapted, rtol=0, atol=1e-6)
+
+    merged = reloaded.merge_and_unload()
+    assert isinstance(merged.model.value_residual, ValueResidual)
+    merged.save_pretrained(tmp_path / "merged")
+    standalone = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(standalone.value_residual_lambdas(), trained_lambdas, rtol=0, atol=0)
+    torch.testing.assert_close(logits(standalone, probe), adapted, rtol=0, atol=1e-5)
