@@ -30,7 +30,14 @@ _AUTO_MODELS = (
 
 
 def register_auto_classes() -> None:
-    """Make `AutoConfig` / `AutoModel*` resolve model type "resformer"; safe to call more than once."""
+    """Make `AutoConfig` / `AutoModel*` resolve model type "resformer"; safe to call more than once.
+
+    Also marks the classes for `register_for_auto_class`, so `save_pretrained` / `push_to_hub` copy
+    `configuration_resformer.py`, `modeling_resformer.py` and their sibling imports next to `config.json` and write
+    an `auto_map`: the folder then loads without this package via `trust_remote_code=True`.
+    """
     AutoConfig.register(ResFormerConfig.model_type, ResFormerConfig, exist_ok=True)
+    ResFormerConfig.register_for_auto_class("AutoConfig")
     for auto_class, model_class in _AUTO_MODELS:
         auto_class.register(ResFormerConfig, model_class, exist_ok=True)
+        model_class.register_for_auto_class(auto_class.__name__)

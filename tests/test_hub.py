@@ -1,0 +1,272 @@
+"""Hub publishing: self-contained remote code loaded by a fresh process that cannot import `resformer_hf`, and
+`push_to_hub` exercised offline by intercepting `HfApi.create_repo` / `HfApi.create_commit`."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard, RepoUrl
+from huggingface_hub.errors import EntryNotFoundError
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import resformer_hf
+from resformer_hf import ResFormerForCausalLM, ResFormerForSequenceClassification
+from resformer_hf import hub as resformer_hub
+from conftest import tiny_config
+
+PACKAGE_DIR = Path(resformer_hf.__file__).parent
+ALLOWED_TOP_LEVEL = set(sys.stdlib_module_names) | {"torch", "transformers", "huggingface_hub"}
+
+# Runs in a fresh interpreter: `resformer_hf` is blocked at the import system, so only the copied files can be used.
+FRESH_PROCESS = textwrap.dedent(
+    """
+    import importlib.abc, json, sys
+
+    class BlockResformer(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] == "resformer_hf":
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+
+    sys.meta_path.insert(0, BlockResformer())
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    jobs = json.loads(sys.argv[1])
+    torch.set_num_threads(jobs["threads"])
+    report = {"errors": {}, "modules": {}}
+    try:
+        import resformer_hf  # noqa: F401
+        report["plugin_importable"] = True
+    except ModuleNotFoundError:
+        report["plugin_importable"] = False
+    for name, job in jobs["load"].items():
+        auto_class = getattr(transformers, job["auto_class"])
+        model = auto_class.from_pretrained(job["folder"], trust_remote_code=True).eval()
+        report["modules"][name] = type(model).__module__
+        input_ids = load_file(job["inputs"])["input_ids"]
+        out = {}
+        with torch.no_grad():
+            out["logits"] = model(input_ids).logits
+        if job["generate"]:
+            out["generated"] = model.generate(input_ids, max_new_tokens=6, do_sample=False)
+        save_file(out, job["outputs"])
+    for name, job in jobs["refuse"].items():
+        for trust in (None, False):
+            try:
+                transformers.AutoModelForCausalLM.from_pretrained(job["folder"], trust_remote_code=trust)
+                report["errors"][f"{name}:{trust}"] = None
+            except Exception as error:  # the test checks type and message
+                report["errors"][f"{name}:{trust}"] = f"{type(error).__name__}: {error}"
+    report["plugin_loaded"] = any(m.partition(".")[0] == "resformer_hf" for m in sys.modules)
+    print()  # the trust prompt may have printed without a newline
+    print("REPORT " + json.dumps(report))
+    """
+)
+
+
+def _relative_imports(path: Path) -> set[str]:
+    """File names of the `from .x import y` siblings of `path`, followed recursively (our own walk, not HF's)."""
+    found: set[str] = set()
+    pending = [path]
+    while pending:
+        tree = ast.parse(pending.pop().read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                name = f"{node.module}.py"
+                if name not in found:
+                    found.add(name)
+                    pending.append(path.parent / name)
+    return found
+
+
+EXPECTED_CODE_FILES = {"modeling_resformer.py"} | _relative_imports(PACKAGE_DIR / "modeling_resformer.py")
+
+
+def _perturb_lambdas(model) -> None:
+    """Move every learnable λ off its initial value, so a reload that dropped them would show."""
+    with torch.no_grad():
+        for parameter in model.base_model.value_residual.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.3)
+
+
+def _tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{word: i + 3 for i, word in enumerate("the value of a layer".split())}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_save_pretrained_writes_self_contained_remote_code(tmp_path):
+    model = ResFormerForCausalLM(tiny_config("svformer"))
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_resformer.ResFormerConfig",
+        "AutoModelForCausalLM": "modeling_resformer.ResFormerForCausalLM",
+    }
+    code_files = {path.name for path in tmp_path.glob("*.py")}
+    assert code_files == EXPECTED_CODE_FILES
+    assert {"configuration_resformer.py", "value_residual.py"} <= code_files
+    for name in code_files:
+        assert (tmp_path / name).read_bytes() == (PACKAGE_DIR / name).read_bytes()
+        for node in ast.walk(ast.parse((tmp_path / name).read_text())):
+            if isinstance(node, ast.Import):
+                tops = {alias.name.partition(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                tops = {node.module.partition(".")[0]}
+            else:
+                continue
+            assert tops <= ALLOWED_TOP_LEVEL, f"{name} imports {tops - ALLOWED_TOP_LEVEL}"
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "generation_config.json").exists()
+    assert not list(tmp_path.glob("*.bin"))
+
+
+def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
+    torch.manual_seed(0)
+    input_ids = torch.randint(3, 128, (2, 9))
+    inputs = tmp_path / "inputs.safetensors"
+    save_file({"input_ids": input_ids}, inputs)
+    cases = {
+        "learnable_plus": (ResFormerForCausalLM, tiny_config("learnable_plus"), "AutoModelForCausalLM"),
+        "svformer": (ResFormerForCausalLM, tiny_config("svformer"), "AutoModelForCausalLM"),
+        "dense_classifier": (
+            ResFormerForSequenceClassification,
+            tiny_config("dense", num_labels=3),
+            "AutoModelForSequenceClassification",
+        ),
+    }
+    jobs = {"threads": torch.get_num_threads(), "load": {}, "refuse": {}}
+    expected = {}
+    for name, (model_class, config, auto_class) in cases.items():
+        model = model_class(config).eval()
+        _perturb_lambdas(model)
+        folder = tmp_path / name
+        model.save_pretrained(folder)
+        with torch.no_grad():
+            expected[name] = {"logits": model(input_ids).logits}
+            if model.can_generate():
+                expected[name]["generated"] = model.generate(input_ids, max_new_tokens=6, do_sample=False)
+        jobs["load"][name] = {
+            "auto_class": auto_class,
+            "folder": str(folder),
+            "inputs": str(inputs),
+            "outputs": str(tmp_path / f"{name}.out.safetensors"),
+            "generate": model.can_generate(),
+        }
+    jobs["refuse"]["learnable_plus"] = {"folder": str(tmp_path / "learnable_plus")}
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"))
+    result = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, json.dumps(jobs)],
+        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.rpartition("REPORT ")[2])
+    assert report["plugin_importable"] is False and report["plugin_loaded"] is False
+    for name in cases:
+        assert report["modules"][name].startswith("transformers_modules."), report["modules"][name]
+        got = load_file(jobs["load"][name]["outputs"])
+        for key, tensor in expected[name].items():
+            assert torch.equal(got[key], tensor), f"{name}: {key} differs, max |Δ| {(got[key] - tensor).abs().max()}"
+    for trust in ("None", "False"):
+        error = report["errors"][f"learnable_plus:{trust}"]
+        assert error is not None and error.startswith("ValueError: ")
+        assert "contains custom code which must be executed" in error and "trust_remote_code=True" in error
+
+
+class _FakeHub:
+    """Stands in for the Hub at `HfApi.create_repo` / `HfApi.create_commit`; keeps what each commit uploaded."""
+
+    def __init__(self, monkeypatch):
+        self.repos: list[str] = []
+        self.commits: list[dict[str, bytes]] = []
+        hub = self
+
+        def create_repo(api, repo_id, **kwargs):
+            hub.repos.append(repo_id)
+            return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+        def create_commit(api, repo_id, operations, **kwargs):
+            files = {}
+            for op in operations:
+                source = op.path_or_fileobj
+                files[op.path_in_repo] = Path(source).read_bytes() if isinstance(source, (str, Path)) else source
+            hub.commits.append(files)
+            return f"https://huggingface.co/{repo_id}/commit/fake"
+
+        monkeypatch.setattr(HfApi, "create_repo", create_repo)
+        monkeypatch.setattr(HfApi, "create_commit", create_commit)
+
+
+def test_stock_push_to_hub_uploads_remote_code(monkeypatch):
+    hub = _FakeHub(monkeypatch)
+
+    def no_card_yet(cls, repo_id, **kwargs):  # transformers first looks for the repo's existing card
+        raise EntryNotFoundError(f"{repo_id} has no README.md yet")
+
+    monkeypatch.setattr(ModelCard, "load", classmethod(no_card_yet))
+    model = ResFormerForCausalLM(tiny_config("learnable"))
+    model.push_to_hub("someone/tiny-resformer")
+    assert hub.repos == ["someone/tiny-resformer"]
+    (files,) = hub.commits
+    assert set(files) == {"config.json", "generation_config.json", "model.safetensors", "README.md"} | EXPECTED_CODE_FILES
+    assert json.loads(files["config.json"])["auto_map"]["AutoModelForCausalLM"] == "modeling_resformer.ResFormerForCausalLM"
+
+
+def test_resformer_push_to_hub_uploads_weights_tokenizer_and_card(monkeypatch, tmp_path):
+    hub = _FakeHub(monkeypatch)
+    model = ResFormerForCausalLM(tiny_config("learnable"))
+    _perturb_lambdas(model)
+    commit = resformer_hub.push_to_hub(
+        model,
+        "someone/tiny-resformer",
+        tokenizer=_tiny_tokenizer(),
+        base_model="someone/tiny-llama",
+        init="preserve",
+        training={"steps": 12, "final train loss": 3.21},
+        license="apache-2.0",
+    )
+    assert commit == "https://huggingface.co/someone/tiny-resformer/commit/fake"
+    assert hub.repos == ["someone/tiny-resformer"]
+    (files,) = hub.commits
+    assert {"config.json", "generation_config.json", "model.safetensors", "README.md", "tokenizer.json",
+            "tokenizer_config.json"} | EXPECTED_CODE_FILES <= set(files)
+    assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
+
+    card = ModelCard(files["README.md"].decode("utf-8"))
+    assert card.data.base_model == "someone/tiny-llama" and card.data.license == "apache-2.0"
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert 'from_pretrained("someone/tiny-resformer", trust_remote_code=True)' in card.content
+    rows = re.findall(r"^\| (\d+) \| (?:yes|no) \| (-?[\d.]+) \| (-?[\d.]+) \|$", card.content, re.MULTILINE)
+    printed = torch.tensor([[float(first), float(own)] for _, first, own in rows])
+    assert torch.allclose(printed, model.value_residual_lambdas(), atol=5e-5)
+
+    # The uploaded weights are the model's, λ included.
+    (weights_path := tmp_path / "w.safetensors").write_bytes(files["model.safetensors"])
+    weights = load_file(weights_path)
+    for name, tensor in model.state_dict().items():
+        if name in weights:
+            assert torch.equal(weights[name], tensor), name
+    assert "model.value_residual.lambda_first_offset" in weights
+
+
+def test_save_for_hub_refuses_a_plain_llama(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2))
+    with pytest.raises(TypeError, match="convert_llama_checkpoint"):
+        resformer_hub.save_for_hub(llama, tmp_path)
