@@ -1,0 +1,130 @@
+"""accelerate: big-model loading split over CPU and disk, and data-parallel training of the Trainer example.
+
+The split model must give the unsplit model's logits and generations, keep decoder layers whole
+(`_no_split_modules`), and hand the cross-layer value tensor (`residual_values`) to each layer positionally, where
+accelerate's hooks move it to the layer's execution device. The data-parallel run (2 processes, gloo on CPU) must
+match a single process that sees the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from finetune_example import VOCAB_SIZE, main, tiny_model
+from transformers import AutoModelForCausalLM
+
+EXAMPLE = Path(__file__).with_name("finetune_example.py")
+
+
+def nbytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 4-layer model with trained-looking λ (non-zero offsets), saved as safetensors."""
+    model = tiny_model(hidden_size=64, intermediate_size=128, num_hidden_layers=4).eval()
+    with torch.no_grad():
+        for parameter in model.model.value_residual.parameters():
+            parameter.copy_(0.3 * torch.randn_like(parameter))
+    folder = tmp_path_factory.mktemp("model")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+@pytest.fixture(scope="module")
+def split(saved, tmp_path_factory):
+    model, folder = saved
+    layer = nbytes(model.model.layers[0])
+    budget = nbytes(model.model.embed_tokens) + 3 * layer  # room for some decoder layers, not all
+    return AutoModelForCausalLM.from_pretrained(
+        folder, device_map="auto", max_memory={"cpu": budget}, offload_folder=tmp_path_factory.mktemp("offload")
+    ).eval()
+
+
+def test_device_map_splits_between_cpu_and_disk_at_decoder_layer_boundaries(split):
+    device_map = split.hf_device_map
+    layer_devices = {name: device for name, device in device_map.items() if name.startswith("model.layers.")}
+    assert all(re.fullmatch(r"model\.layers\.\d+", name) for name in layer_devices), device_map  # never inside one
+    assert set(layer_devices.values()) == {"cpu", "disk"}, device_map
+    for name, device in layer_devices.items():  # disk layers stay on the meta device until their hook loads them
+        parameter_devices = {p.device.type for p in split.get_submodule(name).parameters()}
+        assert parameter_devices == ({"meta"} if device == "disk" else {"cpu"}), (name, parameter_devices)
+
+
+def test_split_model_reproduces_the_unsplit_logits_lambdas_and_generation(saved, split):
+    model, _ = saved
+    input_ids = torch.randint(3, VOCAB_SIZE, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(split(input_ids).logits, model(input_ids).logits, rtol=0, atol=1e-6)
+    torch.testing.assert_close(split.value_residual_lambdas(), model.value_residual_lambdas(), rtol=0, atol=0)
+    assert (model.value_residual_lambdas()[1:, 1] - 0.5).abs().min() > 1e-4  # λ really loaded, not left at init
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(split.generate(input_ids, **settings), model.generate(input_ids, **settings))
+
+
+def test_residual_values_reach_each_layer_positionally_through_the_hooks(split):
+    """accelerate's AlignDevicesHook moves positional args (and kwargs outside `skip_keys`) to the layer's device."""
+    received = {}
+    for layer in split.model.layers:
+        hook = layer._hf_hook
+
+        def spy(module, *args, _hook=hook, _index=layer.layer_idx, **kwargs):
+            moved_args, moved_kwargs = type(_hook).pre_forward(_hook, module, *args, **kwargs)
+            received[_index] = (moved_args[1], _hook.execution_device)
+            return moved_args, moved_kwargs
+
+        hook.pre_forward = spy
+    try:
+        with torch.no_grad():
+            split(torch.randint(3, VOCAB_SIZE, (2, 12)))
+    finally:
+        for layer in split.model.layers:
+            del layer._hf_hook.pre_forward
+    config = split.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert received[0][0] is None  # layer 0 creates V_0
+    for index in range(1, config.num_hidden_layers):
+        values, device = received[index]
+        assert values.shape == (1, 2, config.num_key_value_heads, 12, head_dim)
+        assert values.device == torch.device(device)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_data_parallel_trainer_matches_a_single_process(tmp_path):
+    """`accelerate launch` with 2 CPU processes (torchrun + gloo) vs one process with the same global batch of 4.
+
+    accelerate 1.x's `--cpu --num_processes 2` starts ONE process (multi-CPU needs mpirun); `--multi_gpu` on a
+    machine without GPUs starts two through torchrun, and the Trainer's `use_cpu=True` keeps them on CPU with gloo.
+    """
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+        str(EXAMPLE), "--output-dir", str(tmp_path / "dp"), "--max-steps", "6", "--batch-size", "2",
+    ]
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    parallel = json.loads((tmp_path / "dp" / "losses.json").read_text())
+
+    main(["--output-dir", str(tmp_path / "single"), "--max-steps", "6", "--batch-size", "4"])
+    single = json.loads((tmp_path / "single" / "losses.json").read_text())
+
+    assert parallel["world_size"] == 2 and single["world_size"] == 1
+    torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(single["losses"]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(parallel["lambdas"]), torch.tensor(single["lambdas"]), rtol=0, atol=1e-5)
+    assert parallel["losses"][-1] < parallel["losses"][0]
