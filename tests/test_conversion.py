@@ -438,3 +438,34 @@ def test_killed_conversion_leaves_no_destination(sources, tmp_path, sig):
         assert not list(tmp_path.glob(".dst.partial-*"))
     else:
         assert process.returncode == -signal.SIGKILL
+
+
+_LOAD_WITHOUT_PLUGIN = """
+import sys, torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+assert "resformer_hf" not in sys.modules, "the plugin must not be needed"
+ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    save_file({"logits": model(input_ids=ids).logits.contiguous()}, sys.argv[2])
+"""
+
+
+def test_converted_checkpoint_loads_with_remote_code_only(sources, tmp_path):
+    """The output carries the modeling files and auto_map (as save_pretrained writes them): a process that never
+    imports resformer_hf loads it with trust_remote_code=True and computes the source's logits."""
+    src = sources["qwen2"]
+    dst = tmp_path / "dst"
+    convert_llama_checkpoint(src, dst, variant="learnable_plus", progress=False)
+    env = {**_env(), "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_PLUGIN, str(dst), str(tmp_path / "logits.st")],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    from safetensors.torch import load_file
+
+    remote = load_file(tmp_path / "logits.st")["logits"]
+    ids = probe_ids(SMALL["vocab_size"])
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(src)(input_ids=ids).logits
+    assert (remote - expected).abs().max().item() <= 1e-5
