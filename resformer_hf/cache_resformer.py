@@ -159,8 +159,11 @@ def share_first_layer_values(cache: Cache) -> Cache:
     producer = layers[0]
     for index in range(1, len(layers)):
         replacement = _shared_values_layer(layers[index], producer)
-        if replacement is not None:
-            layers[index] = replacement
+        if replacement is None:
+            continue
+        if layers[index].is_initialized:  # early-initialised (e.g. for chunked prefill): keep it so, keys only
+            replacement.lazy_initialization(layers[index].keys, layers[index].values)
+        layers[index] = replacement
     return cache
 
 

@@ -96,6 +96,12 @@ def test_generate_default_and_static_caches_store_values_once_and_match_uncached
     assert cache_nbytes(static.past_key_values) == kv_bytes(2, kv_heads, capacity, LAYERS + 1) + counters
     assert_values_shared(static.past_key_values)
 
+    # Chunked prefill early-initialises the static cache before the first forward; the saving must survive that.
+    chunked = model.generate(prompt, max_new_tokens=10, cache_implementation="static", prefill_chunk_size=4,
+                             return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(chunked.sequences, uncached)
+    assert cache_nbytes(chunked.past_key_values) == cache_nbytes(static.past_key_values)
+
     # A cache the caller builds is used as given: the stock layout, same tokens.
     standard = DynamicCache(config=model.config)
     given = model.generate(prompt, max_new_tokens=10, past_key_values=standard, return_dict_in_generate=True,
