@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import importlib.util
 
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 #: The module holding every λ; pass as PEFT `modules_to_save` to train the λ alongside an adapter.
 LAMBDA_MODULES = ["value_residual"]
 
@@ -31,7 +34,11 @@ def register_peft_target_modules() -> bool:
     """
     if importlib.util.find_spec("peft") is None:
         return False
-    from peft.utils import constants
+    try:
+        from peft.utils import constants
+    except ImportError as error:  # a broken optional install must not break `import resformer_hf`
+        logger.warning(f"PEFT is installed but failed to import ({error}); pass `target_modules` to PEFT yourself.")
+        return False
 
     for name in dir(constants):
         table = getattr(constants, name)

@@ -14,7 +14,7 @@ from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPP
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, default_data_collator
 
-from resformer_hf import LAMBDA_MODULES, ResFormerForCausalLM
+from resformer_hf import LAMBDA_MODULES, ResFormerForCausalLM, register_peft_target_modules
 from resformer_hf.value_residual import ValueResidual
 
 
@@ -55,6 +55,19 @@ def train(model, data, output_dir, steps: int = 8) -> list[float]:
     )
     trainer.train()
     return step_losses(trainer)
+
+
+def test_every_peft_table_that_knows_llama_knows_resformer():
+    from peft.utils import constants
+
+    tables = {
+        name: table for name, table in vars(constants).items()
+        if name.startswith("TRANSFORMERS_MODELS_TO_") and isinstance(table, dict) and "llama" in table
+    }
+    assert len(tables) > 10
+    assert register_peft_target_modules()  # a second call (import already made one) changes nothing
+    for name, table in tables.items():
+        assert table["resformer"] == table["llama"], name
 
 
 @pytest.mark.parametrize("variant", ["learnable_plus", "svformer"])
