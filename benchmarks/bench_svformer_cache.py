@@ -1,0 +1,272 @@
+"""SVFormer's inference memory: KV-cache bytes, peak process memory and decode speed vs Llama of the same size.
+
+HF `LlamaForCausalLM`, a ResFormer (`learnable_plus`) and an SVFormer of the same size are built from the same seed.
+Ratios to Llama are measured in the same run. Goal: SVFormer's cache is exactly (L+1)/(2L) of Llama's.
+
+    python benchmarks/bench_svformer_cache.py                       # CPU defaults (1 thread), under 10 minutes
+    python benchmarks/bench_svformer_cache.py --device cuda --hidden 1024 --layers 16 --contexts 2048 8192 32768
+
+- Cache bytes and peak memory: each (model, context) runs the stock `generate()` (greedy, its default dynamic cache)
+  in a fresh process, so the peak is its own: RSS sampled every 2 ms on CPU (`torch.cuda.max_memory_allocated` on
+  CUDA), minus what the process held before generate. Cache bytes are `resformer_hf.cache_nbytes` of the returned
+  cache (shared storage counted once).
+- Decode tokens/s: timing whole generate() calls in separate processes on a shared machine measures the neighbours,
+  so all three models are prefilled once in one process, with the cache generate() would build, and then take turns
+  decoding bursts of tokens through it (the forward generate() runs per step), the cache cropped back after each
+  burst; medians over the bursts.
+
+Writes `benchmarks/results/svformer_cache.{md,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from common import BASELINE, RESULTS_DIR, add_device_args, build_model, environment_line, interleaved_medians
+from common import markdown_table, pyplot, setup_device
+
+MODELS = [BASELINE, "learnable_plus", "svformer"]
+MIB = 2**20
+
+
+# ---- one measurement, in its own process ----------------------------------------------------------------------------
+
+
+class PeakRss:
+    """Samples this process's resident set size in a thread while the `with` block runs; `.peak` is the maximum."""
+
+    def __init__(self, interval_s: float = 0.002):
+        import psutil
+
+        self.process, self.interval_s, self.peak = psutil.Process(), interval_s, 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> "PeakRss":
+        self.baseline = self.peak = self.process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+def measure_memory(job: dict) -> dict:
+    """Prefill `context` random tokens and greedily decode `new_tokens` with generate(); report cache bytes and peak."""
+    import resformer_hf
+
+    device = setup_device(argparse.Namespace(device=job["device"], threads=job["threads"]))
+    model = seeded_model(job["model"], job, device)
+    prompt = random_prompt(job, device)
+    greedy = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(prompt[:, :16], max_new_tokens=4, **greedy)  # one-time costs (kernels, allocator) out of the way
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        with PeakRss() as rss:
+            out = model.generate(prompt, max_new_tokens=job["new_tokens"], min_new_tokens=job["new_tokens"],
+                                 return_dict_in_generate=True, **greedy)
+        peak_delta = rss.peak - rss.baseline
+        if device.type == "cuda":
+            peak_delta = torch.cuda.max_memory_allocated(device) - before
+    return {"cache_bytes": resformer_hf.cache_nbytes(out.past_key_values), "peak_delta_bytes": peak_delta}
+
+
+def seeded_model(name: str, job: dict, device: torch.device):
+    torch.manual_seed(job["seed"])
+    return build_model(name, device=device, dtype=getattr(torch, job["dtype"]), **job["size"]).eval()
+
+
+def random_prompt(job: dict, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(job["seed"] + 1)
+    prompt = torch.randint(3, job["size"]["vocab_size"], (job["batch_size"], job["context"]), generator=generator)
+    return prompt.to(device)
+
+
+@torch.inference_mode()
+def decode_speeds(job: dict, repeats: int) -> dict[str, float]:
+    """Median decode tokens/s of each model at one context, the models taking turns burst by burst."""
+    device = setup_device(argparse.Namespace(device=job["device"], threads=job["threads"]))
+    prompt = random_prompt(job, device)
+    steps = job["new_tokens"]
+    states = {}
+    for name in MODELS:
+        model = seeded_model(name, job, device)
+        out = model(prompt, use_cache=True, logits_to_keep=1)  # the cache generate() would build (model default)
+        states[name] = (model, out.past_key_values, out.logits[:, -1:].argmax(-1))
+
+    def burst(name: str) -> None:
+        model, cache, token = states[name]
+        for _ in range(steps):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        cache.crop(-steps)  # back to the prompt, so every burst decodes at the same context length
+
+    seconds = interleaved_medians({name: (lambda name=name: burst(name)) for name in MODELS}, repeats=repeats,
+                                  warmup=1, device=device)
+    return {name: steps / seconds[name] for name in MODELS}
+
+
+def run_in_fresh_process(job: dict) -> dict:
+    result = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"measurement {job['model']} @ {job['context']} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- the benchmark --------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_args(parser)
+    # One thread by default: on a shared CPU, torch's default of one thread per core oversubscribes and the timings
+    # become noise (measured here: 17 vs 44 decode tok/s for the same Llama at 2 threads vs 1).
+    parser.set_defaults(threads=1)
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    parser.add_argument("--layers", type=int, default=8, help="decoder layers L (default 8)")
+    parser.add_argument("--head-dim", type=int, default=64, help="attention head size (default 64)")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: as many as query heads)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="vocabulary size (default 4096)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="prompt lengths")
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[32, 32, 16],
+                        help="tokens per decode burst / generate() call, one value or one per context")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=7, help="timed decode bursts per (model, context) (median)")
+    parser.add_argument("--memory-repeats", type=int, default=1, help="fresh-process generate() runs per point")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "svformer_cache", help="path stem for .md/.png")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if len(args.new_tokens) == 1:
+        args.new_tokens = args.new_tokens * len(args.contexts)
+    if len(args.new_tokens) != len(args.contexts):
+        parser.error(f"--new-tokens takes one value or one per context ({len(args.contexts)}), got {args.new_tokens}")
+    if min(args.new_tokens) < 3:
+        parser.error("--new-tokens must be at least 3 to time decoding")
+    heads = args.hidden // args.head_dim
+    if heads * args.head_dim != args.hidden:
+        parser.error(f"--hidden {args.hidden} must be a multiple of --head-dim {args.head_dim}")
+    if args.kv_heads is not None and heads % args.kv_heads:
+        parser.error(f"--kv-heads {args.kv_heads} must divide the {heads} query heads")
+    return args
+
+
+def size_fields(args: argparse.Namespace) -> dict:
+    heads = args.hidden // args.head_dim
+    return dict(
+        vocab_size=args.vocab_size, hidden_size=args.hidden, intermediate_size=round(args.hidden * 8 / 3 / 32) * 32,
+        num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=args.kv_heads or heads,
+        max_position_embeddings=max(c + n for c, n in zip(args.contexts, args.new_tokens)), tie_word_embeddings=False,
+    )
+
+
+def collect(args: argparse.Namespace) -> dict[tuple[str, int], dict]:
+    results = {}
+    for context, new_tokens in zip(args.contexts, args.new_tokens):
+        job = dict(context=context, new_tokens=new_tokens, size=size_fields(args), batch_size=args.batch_size,
+                   dtype=args.dtype, device=args.device, threads=args.threads, seed=args.seed)
+        memory: dict[str, list[dict]] = {name: [] for name in MODELS}
+        for _ in range(args.memory_repeats):
+            for name in MODELS:
+                memory[name].append(run_in_fresh_process({**job, "model": name}))
+        speeds = decode_speeds(job, repeats=args.repeats)
+        for name in MODELS:
+            runs = memory[name]
+            results[name, context] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            results[name, context]["decode_tok_s"] = speeds[name]
+            print(f"context {context} {name}: {results[name, context]}", flush=True)
+    return results
+
+
+def report(args: argparse.Namespace, medians: dict) -> str:
+    target = (args.layers + 1) / (2 * args.layers)
+    rows = []
+    for context in args.contexts:
+        base = medians[BASELINE, context]
+        for name in MODELS:
+            m = medians[name, context]
+            rows.append([
+                context, name,
+                f"{m['cache_bytes'] / MIB:.2f}", f"{m['cache_bytes'] / base['cache_bytes']:.4f}",
+                f"{m['peak_delta_bytes'] / MIB:.1f}", f"{m['peak_delta_bytes'] / base['peak_delta_bytes']:.3f}",
+                f"{m['decode_tok_s']:.1f}", f"{m['decode_tok_s'] / base['decode_tok_s']:.3f}",
+            ])
+    header = ["context", "model", "cache MiB", "cache / Llama", "generate peak MiB", "peak / Llama", "decode tok/s",
+              "tok/s / Llama"]
+    size = size_fields(args)
+    return "\n".join([
+        "# SVFormer KV cache vs Llama",
+        "",
+        f"Model size: hidden {args.hidden}, {args.layers} layers, {size['num_attention_heads']} query heads, "
+        f"{size['num_key_value_heads']} kv heads, head dim {args.head_dim}, vocab {args.vocab_size}; batch "
+        f"{args.batch_size}, {args.dtype}, default dynamic cache; new tokens per context "
+        f"{dict(zip(args.contexts, args.new_tokens))}. Memory: one greedy `generate()` per point in a fresh process "
+        f"(median of {args.memory_repeats}); decode tok/s: median of {args.repeats} interleaved bursts.",
+        f"Target cache ratio for SVFormer: (L+1)/(2L) = {target:.4f}.",
+        "",
+        markdown_table(header, rows),
+        "",
+        "`generate peak MiB`: peak process memory during generate() above what the process held before it (RSS on "
+        "CPU, allocated bytes on CUDA).",
+        "",
+        environment_line(torch.device(args.device)),
+        f"Command: `{' '.join(['python benchmarks/bench_svformer_cache.py', *sys.argv[1:]])}`",
+        "",
+    ])
+
+
+def plot(args: argparse.Namespace, medians: dict, path: Path) -> None:
+    plt = pyplot()
+    metrics = [("cache_bytes", "KV-cache bytes / Llama"), ("peak_delta_bytes", "generate() peak memory / Llama"),
+               ("decode_tok_s", "decode tokens/s / Llama")]
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for axis, (key, title) in zip(axes, metrics):
+        for name in MODELS[1:]:
+            ratios = [medians[name, c][key] / medians[BASELINE, c][key] for c in args.contexts]
+            axis.plot(args.contexts, ratios, marker="o", label=name)
+        axis.axhline(1.0, color="grey", linestyle=":", label="Llama")
+        if key != "decode_tok_s":
+            axis.axhline((args.layers + 1) / (2 * args.layers), color="red", linestyle="--", label="(L+1)/(2L)")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(args.contexts, [str(c) for c in args.contexts])
+        axis.set_xlabel("context (tokens)")
+        axis.set_title(title)
+        axis.legend()
+    figure.suptitle(f"SVFormer vs Llama, hidden {args.hidden} x {args.layers} layers ({args.device})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure_memory(json.loads(args.worker))))
+        return
+    setup_device(args)
+    medians = collect(args)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    text = report(args, medians)
+    args.output.with_suffix(".md").write_text(text)
+    plot(args, medians, args.output.with_suffix(".png"))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
