@@ -112,8 +112,11 @@ def test_gradient_accumulation_matches_the_full_batch(data, reference, tmp_path)
 
 def test_gradient_checkpointing_matches_the_plain_run(data, reference, tmp_path):
     _, losses, lambdas, _ = reference
-    trainer, recorder = run(data, tmp_path, max_steps=SAVE_STEPS, activation_checkpointing=True)
-    assert trainer.model.model.gradient_checkpointing
+    model = tiny_model(len(data[0]))
+    calls = []
+    model.model.layers[1].self_attn.register_forward_pre_hook(lambda module, args: calls.append(module.training))
+    trainer, recorder = run(data, tmp_path, model=model, max_steps=SAVE_STEPS, activation_checkpointing=True)
+    assert calls.count(True) == 2 * SAVE_STEPS  # forward + recomputation in backward: checkpointing really ran
     torch.testing.assert_close(torch.tensor(step_losses(trainer)), torch.tensor(losses[:SAVE_STEPS]), rtol=0,
                                atol=1e-5)
     # The λ get their gradients through the recomputed layers too.
