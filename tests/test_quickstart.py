@@ -1,0 +1,165 @@
+"""`resformer-quickstart` end to end on tiny settings: convert, Trainer fine-tune, generate, Hub-ready folder, upload
+(intercepted at `HfApi`), and one-line errors with a non-zero exit for bad input."""
+
+from __future__ import annotations
+
+import configparser
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard, RepoUrl
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from resformer_hf import quickstart
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = Path(quickstart.__file__).parent / "data" / quickstart.SAMPLE_NAME
+TINY_RUN = ["--batch-size", "4", "--block-size", "32", "--max-new-tokens", "5", "--vocab-size", "300"]
+
+
+def _card_value(card: ModelCard, fact: str) -> str:
+    match = re.search(rf"^\| {re.escape(fact)} \| (.+) \|$", card.content, re.MULTILINE)
+    assert match, f"{fact!r} missing from the card"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "austen.txt"
+    path.write_text(SAMPLE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, text_file) -> Path:
+    """A tiny Llama checkpoint with its own tokenizer, as a user's `--model` would be."""
+    directory = tmp_path_factory.mktemp("llama")
+    tokenizer = quickstart.train_tokenizer([text_file.read_text(encoding="utf-8")], 300)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_converts_a_given_model_fine_tunes_and_writes_a_loadable_folder(tmp_path, tiny_llama, text_file, capsys):
+    out = tmp_path / "out"
+    code = quickstart.main(["--model", str(tiny_llama), "--data", str(text_file), "--steps", "30",
+                            "--learning-rate", "5e-3", "--output", str(out), *TINY_RUN])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "max |Δ logits| converted vs source: 0 (exact" in printed  # init=preserve by default for --model
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "README.md",
+            "modeling_resformer.py", "configuration_resformer.py", "value_residual.py"} <= {p.name for p in out.iterdir()}
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "resformer" and config["value_residual"] == "learnable_plus"
+    card = ModelCard.load(out / "README.md")
+    assert card.data.pipeline_tag == "text-generation" and "license" not in card.data.to_dict()
+    before, after = map(float, _card_value(card, "held-out loss before → after").split(" → "))
+    assert after < before - 0.1, (before, after)  # 30 steps on real text must help a random tiny model
+    assert _card_value(card, "steps") == "30"
+
+    # The folder is what the card says: the trained model (not the source) with the λ it lists, and its tokenizer.
+    model = AutoModelForCausalLM.from_pretrained(out)
+    source = LlamaForCausalLM.from_pretrained(tiny_llama)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("It is a truth universally acknowledged", return_tensors="pt")["input_ids"]
+    assert tokenizer.decode(ids[0]) == "It is a truth universally acknowledged"
+    with torch.no_grad():
+        assert (model(ids).logits - source(ids).logits).abs().max() > 1e-3
+    rows = re.findall(r"^\| \d+ \| (?:yes|no) \| (-?[\d.]+) \| (-?[\d.]+) \|$", card.content, re.MULTILINE)
+    assert torch.allclose(torch.tensor([[float(a), float(b)] for a, b in rows]), model.value_residual_lambdas(),
+                          atol=5e-5)
+
+
+def test_defaults_build_a_llama_on_the_bundled_text_and_push(tmp_path, monkeypatch, capsys):
+    commits = []
+
+    def create_repo(api, repo_id, **kwargs):
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_commit(api, repo_id, operations, **kwargs):
+        commits.append((repo_id, {op.path_in_repo: Path(op.path_or_fileobj).read_bytes() for op in operations}))
+        return f"https://huggingface.co/{repo_id}/commit/fake"
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    out = tmp_path / "out"
+    code = quickstart.main(["--steps", "2", "--output", str(out), "--push-to-hub", "someone/demo", *TINY_RUN])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert quickstart.SAMPLE_DESCRIPTION in printed and "init=paper" in printed
+    (repo_id, files), = commits
+    assert repo_id == "someone/demo"
+    assert set(files) == {p.name for p in out.iterdir()}
+    card = ModelCard(files["README.md"].decode("utf-8"))
+    assert card.data.license == "apache-2.0" and card.data.model_name == "demo"
+    assert 'from_pretrained("someone/demo", trust_remote_code=True)' in card.content
+    assert json.loads(files["config.json"])["hidden_size"] == quickstart.SMALL_LLAMA["hidden_size"]
+    assert len(AutoTokenizer.from_pretrained(out)) == 300
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "/no/such/checkpoint"], "--model /no/such/checkpoint is not a local directory"),
+        (["--model", "nobody/not-a-real-model-xyz"], "could not be fetched from the Hub"),
+        (["--data", "/no/such/file.txt"], "--data file /no/such/file.txt does not exist"),
+        (["--dataset", "nobody/not-a-real-dataset-xyz"], "cannot load dataset 'nobody/not-a-real-dataset-xyz'"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    code = quickstart.main([*argv, "--output", str(tmp_path / "out"), "--steps", "1", *TINY_RUN])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("resformer-quickstart: error: ") and message in err[0], err
+
+
+def test_refuses_to_clobber_a_non_empty_output(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("user data")
+    assert quickstart.main(["--output", str(tmp_path)]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "keep.txt").read_text() == "user data"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps: 0 must be positive"),
+        (["--learning-rate", "nan"], "--learning-rate: nan must be a positive number"),
+        (["--variant", "svformer", "--init", "preserve"], "--init preserve cannot preserve"),
+        (["--dataset-config", "x"], "--dataset-config needs --dataset"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        quickstart.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    assert len(err) == 1 and err[0].startswith("resformer-quickstart: error: ") and message in err[0], err
+
+
+def test_bad_flags_exit_2_without_traceback_in_a_real_process():
+    for argv in (["--steps", "0"], ["--no-such-flag"]):
+        result = subprocess.run([sys.executable, "-m", "resformer_hf.quickstart", *argv], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 2, result
+        assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_console_script_is_declared():
+    setup = configparser.ConfigParser()
+    setup.read(REPO_ROOT / "setup.cfg")
+    scripts = setup["options.entry_points"]["console_scripts"]
+    assert "resformer-quickstart = resformer_hf.quickstart:main" in scripts
+    assert "data/*.txt" in setup["options.package_data"]["resformer_hf"]
