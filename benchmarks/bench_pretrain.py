@@ -10,14 +10,19 @@ reach Llama's final validation loss (linear interpolation along the variant's cu
     python benchmarks/bench_pretrain.py --device cuda --hidden-size 512 --layers 8 --tokens 100000000
     python benchmarks/bench_pretrain.py --report-only        # redraw table/plot from results/pretrain.json
 
+Results are saved after every model, and a rerun with the same flags skips the models already in `pretrain.json`
+(pass `--fresh` to start over), so an interrupted run on a busy machine loses at most one model.
+
 Writes `benchmarks/results/pretrain.{json,md,png}` and `pretrain_analysis.png`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,9 +54,12 @@ def split_corpus(corpus_dir: Path, val_fraction: float) -> tuple[list[str], list
     return train, val
 
 
-def train_tokenizer(train_texts: list[str], vocab_size: int):
+def train_tokenizer(train_texts: list[str], vocab_size: int, cache: Path | None = None):
     """A byte-level BPE trained on the training split only (validation text never influences the vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if cache is not None and cache.is_file():
+        return Tokenizer.from_file(str(cache))
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -63,6 +71,8 @@ def train_tokenizer(train_texts: list[str], vocab_size: int):
         show_progress=False,
     )
     tokenizer.train_from_iterator(train_texts, trainer=trainer)
+    if cache is not None:
+        tokenizer.save(str(cache))
     return tokenizer
 
 
@@ -205,8 +215,9 @@ def write_report(payload: dict, out_dir: Path) -> None:
         f"{cfg['intermediate_size']}, vocab {cfg['vocab_size']} (byte-level BPE trained on the training split), "
         f"context {cfg['seq_len']}; {payload['steps']} AdamW steps × {cfg['batch_size']} sequences = "
         f"{budget / 1e6:.2f}M training tokens per model, lr {cfg['lr']} (warmup {cfg['warmup']:.0%}, cosine to 10%), "
-        f"weight decay {cfg['weight_decay']}, seed {cfg['seed']}; validation on the held-out last "
-        f"{cfg['val_fraction']:.0%} of each corpus file ({payload['val_tokens'] / 1e3:.0f}k tokens).",
+        f"weight decay {cfg['weight_decay']}, seed {cfg['seed']}; validation loss every {cfg.get('eval_every', '?')} steps "
+        f"on {payload['val_tokens'] / 1e3:.0f}k tokens: fixed, evenly spaced windows of the held-out last "
+        f"{cfg['val_fraction']:.0%} of each corpus file.",
         "",
         markdown_table(
             ["model", "final val loss", "Δ vs Llama", "tokens to reach Llama's final loss", "fewer tokens than Llama",
@@ -286,14 +297,17 @@ def parse_args(argv=None):
     parser.add_argument("--intermediate-size", type=int, default=None, help="default: 8/3 hidden, multiple of 32")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=2_500_000, help="training tokens per model (default 2.5M)")
+    parser.add_argument("--tokens", type=int, default=1_600_000, help="training tokens per model (default 1.6M)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of the steps")
     parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--eval-every", type=int, default=60, help="steps between validation evaluations")
+    parser.add_argument("--val-tokens", type=int, default=32768,
+                        help="held-out tokens scored per evaluation: evenly spaced windows of the tail (default 32768)")
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between validation evaluations")
     parser.add_argument("--analysis-sequences", type=int, default=8, help="validation windows for entropy/similarity")
     parser.add_argument("--save-dir", default=None, help="also save every trained model here (not committed)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--fresh", action="store_true", help="ignore models already in <out>/pretrain.json")
     parser.add_argument("--report-only", action="store_true", help="rebuild md/png from <out>/pretrain.json")
     return parser.parse_args(argv)
 
@@ -307,9 +321,14 @@ def main(argv=None) -> None:
     device = setup_device(args)
     intermediate = args.intermediate_size or max(32, round(args.hidden_size * 8 / 3 / 32) * 32)
     train_texts, val_texts = split_corpus(args.corpus_dir, args.val_fraction)
-    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    key = hashlib.sha1(f"{args.corpus_dir.resolve()}|{args.vocab_size}|{args.val_fraction}".encode()).hexdigest()[:12]
+    cache = Path(tempfile.gettempdir()) / f"resformer-bench-pretrain-tokenizer-{key}.json"  # reused by resumed runs
+    tokenizer = train_tokenizer(train_texts, args.vocab_size, None if args.fresh else cache)
     train = chunk(encode(tokenizer, train_texts), args.seq_len)
     val = chunk(encode(tokenizer, val_texts), args.seq_len)
+    if args.val_tokens and len(val) * args.seq_len > args.val_tokens:  # a fixed, evenly spaced subset of the tail
+        keep = max(1, args.val_tokens // args.seq_len)
+        val = val[torch.linspace(0, len(val) - 1, keep).round().long()]
     steps = max(1, args.tokens // (args.batch_size * args.seq_len))
     order = batch_order(len(train), args.batch_size, steps, args.seed)
     print(f"{train.numel() / 1e6:.2f}M training tokens, {val.numel() / 1e3:.0f}k validation tokens, {steps} steps")
@@ -325,25 +344,38 @@ def main(argv=None) -> None:
         PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(
             Path(args.save_dir) / "tokenizer"
         )
-    results = []
-    for variant in args.variants:
-        print(f"training {variant}", flush=True)
-        results.append(train_variant(variant, size, args, train, val, order, device))
     payload = {
         "config": {
             "hidden_size": args.hidden_size, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads
             or args.heads, "intermediate_size": intermediate, "vocab_size": tokenizer.get_vocab_size(),
             "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup,
             "weight_decay": args.weight_decay, "seed": args.seed, "val_fraction": args.val_fraction,
+            "eval_every": args.eval_every,
         },
         "steps": steps,
         "val_tokens": val.numel(),
         "environment": environment_line(device),
-        "results": results,
+        "results": [],
     }
-    (args.out / "pretrain.json").write_text(json.dumps(payload, indent=1))
-    write_report(payload, args.out)
-    print(f"wrote {args.out / 'pretrain.md'}")
+    saved = args.out / "pretrain.json"
+    if saved.is_file() and not args.fresh:
+        previous = json.loads(saved.read_text())
+        if {k: previous.get(k) for k in ("config", "steps", "val_tokens")} == {
+            k: payload[k] for k in ("config", "steps", "val_tokens")
+        }:
+            payload["results"] = [r for r in previous["results"] if r["variant"] in args.variants]
+    done = {r["variant"] for r in payload["results"]}
+    for variant in args.variants:
+        if variant in done:
+            print(f"{variant}: already in {saved}, skipped (--fresh retrains)", flush=True)
+            continue
+        print(f"training {variant}", flush=True)
+        payload["results"].append(train_variant(variant, size, args, train, val, order, device))
+        payload["results"].sort(key=lambda r: args.variants.index(r["variant"]))
+        saved.write_text(json.dumps(payload, indent=1))
+    if any(r["variant"] == BASELINE for r in payload["results"]):
+        write_report(payload, args.out)
+        print(f"wrote {args.out / 'pretrain.md'}")
 
 
 if __name__ == "__main__":
