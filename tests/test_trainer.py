@@ -90,9 +90,10 @@ def test_save_steps_write_loadable_safetensors_checkpoints(reference):
 
 def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(data, reference, tmp_path):
     output_dir, losses, lambdas, state = reference
-    trainer, recorder = run(
-        data, tmp_path, max_steps=STEPS, resume_from_checkpoint=str(output_dir / f"checkpoint-{SAVE_STEPS}")
-    )
+    other_init = tiny_model(len(data[0]), seed=1)  # only the checkpoint's weights can reproduce the reference
+    trainer, recorder = run(data, tmp_path, model=other_init, max_steps=STEPS,
+                            resume_from_checkpoint=str(output_dir / f"checkpoint-{SAVE_STEPS}"))
+    assert len(recorder.by_step) == 1 + STEPS - SAVE_STEPS  # it ran only the remaining steps
     resumed = step_losses(trainer)
     assert len(resumed) == STEPS  # the first SAVE_STEPS come from the checkpoint's trainer_state.json
     torch.testing.assert_close(torch.tensor(resumed[SAVE_STEPS:]), torch.tensor(losses[SAVE_STEPS:]), rtol=0, atol=1e-6)
