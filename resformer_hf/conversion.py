@@ -12,10 +12,14 @@ This module is not copied for `trust_remote_code`, so it may use safetensors, hu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import re
 import shutil
+import struct
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,7 +29,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -341,23 +344,32 @@ def _lambda_fields(variant: str, init: str) -> dict:
 
 
 @dataclass
+class _TensorPlan:
+    source: str | None  # name in the source shard; None for a tensor the converter adds (zeros)
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # as written
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
 class _ShardPlan:
     source: Path
     output_name: str
-    renames: dict[str, str]  # output name -> source name
-    synthesized: dict[str, tuple[tuple[int, ...], torch.dtype]]  # zero tensors added to this shard
+    tensors: dict[str, _TensorPlan]  # output name -> plan, in source order
 
 
 @dataclass
 class _Plan:
     shards: list[_ShardPlan]
-    dtype: torch.dtype | None
     added: list[str]
     dropped: list[str]
 
     @property
     def num_tensors(self) -> int:
-        return sum(len(shard.renames) + len(shard.synthesized) for shard in self.shards)
+        return sum(len(shard.tensors) for shard in self.shards)
 
 
 def _find_source_shards(src_dir: Path, *, allow_pickle: bool) -> list[Path]:
@@ -438,11 +450,26 @@ class _DictShard:
         return {}
 
 
-def _tensor_info(shard, name: str) -> tuple[tuple[int, ...], str]:
+#: safetensors' dtype names; the streaming writer needs them, and refuses anything else by name.
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+
+
+def _tensor_info(shard, path: Path, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype from the header only (nothing is read for safetensors)."""
     view = shard.get_slice(name)
     if isinstance(view, torch.Tensor):
-        return tuple(view.shape), str(view.dtype).removeprefix("torch.")
-    return tuple(view.get_shape()), view.get_dtype()
+        shape, dtype = tuple(view.shape), view.dtype
+    else:
+        shape, dtype = tuple(view.get_shape()), _SAFETENSORS_DTYPES.get(view.get_dtype())
+    if dtype not in _SAFETENSORS_NAMES:
+        raise ConversionError(f"{path.name}: tensor {name} has dtype {dtype or view.get_dtype()}, which cannot be "
+                              "converted; only float, int and bool tensors are supported.")
+    return shape, dtype
 
 
 def _meta_model(config: ResFormerConfig):
@@ -473,13 +500,13 @@ def _plan_conversion(shards: list[Path], model, model_type: str, dtype: torch.dt
     expected = _expected_state(model)
     plans, seen, dropped = [], {}, []
     for path in shards:
-        plan = _ShardPlan(path, _output_shard_name(path, len(shards)), {}, {})
+        plan = _ShardPlan(path, _output_shard_name(path, len(shards)), {})
         with _open_shard(path) as shard:
             for name in shard.keys():
                 if name in seen:
                     raise ConversionError(f"tensor {name} appears in both {seen[name]} and {path.name}; fix the index.")
                 seen[name] = path.name
-                shape, _ = _tensor_info(shard, name)
+                shape, source_dtype = _tensor_info(shard, path, name)
                 match = _V_PROJ.match(name)
                 if _ROTARY_BUFFER.search(name) or (config.tie_word_embeddings and name == "lm_head.weight"):
                     dropped.append(name)  # recomputed from the config / tied to the embeddings on load
@@ -496,7 +523,8 @@ def _plan_conversion(shards: list[Path], model, model_type: str, dtype: torch.dt
                         "weights do not match the config."
                     )
                 else:
-                    plan.renames[name] = name
+                    cast = dtype is not None and source_dtype.is_floating_point
+                    plan.tensors[name] = _TensorPlan(name, shape, dtype if cast else source_dtype)
         plans.append(plan)
 
     added = []
@@ -505,24 +533,25 @@ def _plan_conversion(shards: list[Path], model, model_type: str, dtype: torch.dt
         if name.startswith("model.value_residual."):
             target = plans[-1]  # λ offsets are zero: the config holds the initial values
         elif model_type == "qwen2" and _O_PROJ_BIAS.match(name):
-            target = next(p for p in plans if name.removesuffix("bias") + "weight" in p.renames)
+            target = next(p for p in plans if name.removesuffix("bias") + "weight" in p.tensors)
+            expected[name] = (expected[name][0], target.tensors[name.removesuffix("bias") + "weight"].dtype)
         else:
             raise ConversionError(
                 f"the checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {_short_list(missing)}; it is "
                 "incomplete or does not match config.json."
             )
-        shape, expected_dtype = expected[name]
-        target.synthesized[name] = (shape, expected_dtype)
+        shape, expected_dtype = expected[name]  # λ: float32, as the model keeps them (_keep_in_fp32_modules)
+        target.tensors[name] = _TensorPlan(None, shape, expected_dtype)
         added.append(name)
-    return _Plan(plans, dtype, added, dropped)
+    return _Plan(plans, added, dropped)
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
 
 
 def _write_weights(plan: _Plan, staging: Path, *, progress: bool) -> int:
-    """Stream the shards one at a time into `staging`; returns the bytes written. Safetensors tensors stay
-    memory-mapped until `save_file` writes them, so peak memory is about one source shard."""
+    """Write the output shards one at a time into `staging`, with the index when sharded; returns the bytes of
+    tensor data written."""
     total_source = sum(shard.source.stat().st_size for shard in plan.shards)
     weight_map: dict[str, str] = {}
     total_bytes = total_parameters = 0
@@ -531,13 +560,11 @@ def _write_weights(plan: _Plan, staging: Path, *, progress: bool) -> int:
     try:
         for number, shard_plan in enumerate(plan.shards, start=1):
             bar.set_postfix_str(f"shard {number}/{len(plan.shards)}")
-            tensors = _shard_tensors(shard_plan, plan.dtype)
-            for name, tensor in tensors.items():
+            _write_shard(shard_plan, staging / shard_plan.output_name)
+            for name, tensor in shard_plan.tensors.items():
                 weight_map[name] = shard_plan.output_name
-                total_bytes += tensor.numel() * tensor.element_size()
-                total_parameters += tensor.numel()
-            save_file(tensors, staging / shard_plan.output_name, metadata={"format": "pt"})
-            del tensors
+                total_bytes += tensor.nbytes
+                total_parameters += math.prod(tensor.shape)
             bar.update(shard_plan.source.stat().st_size)
     finally:
         bar.close()
@@ -550,23 +577,61 @@ def _write_weights(plan: _Plan, staging: Path, *, progress: bool) -> int:
     return total_bytes
 
 
-def _shard_tensors(shard_plan: _ShardPlan, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    tensors = {}
-    with _open_shard(shard_plan.source) as shard:
-        for out_name, source_name in shard_plan.renames.items():
-            try:
-                tensor = shard.get_tensor(source_name)
-            except SafetensorError as error:
-                raise ConversionError(
-                    f"{shard_plan.source.name}: tensor {source_name} cannot be read ({error}); the file is corrupted."
-                ) from error
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            tensors[out_name] = tensor
-    for name, (shape, expected_dtype) in shard_plan.synthesized.items():
-        like = tensors.get(name.removesuffix("bias") + "weight")
-        tensors[name] = torch.zeros(shape, dtype=like.dtype if like is not None else expected_dtype)
-    return tensors
+def _write_shard(shard_plan: _ShardPlan, path: Path) -> None:
+    """Write one safetensors file tensor by tensor, so memory holds one tensor rather than one shard.
+
+    safetensors' `save_file` needs every tensor of a file at once, and a `safe_open` mapping keeps each page it has
+    read resident until it is closed; so the header (known from the plan) is written first and each tensor is then
+    read through its own short-lived `safe_open` and appended. Layout as `save_file` makes it: 8-byte little-endian
+    header length, JSON header padded with spaces to 8 bytes, tensors largest dtype first (every tensor aligned to its
+    dtype). The file is re-opened with `safe_open` afterwards as a check.
+    """
+    if sys.byteorder != "little":
+        raise ConversionError("safetensors files are little-endian; run the conversion on a little-endian machine.")
+    order = sorted(shard_plan.tensors, key=lambda name: -shard_plan.tensors[name].dtype.itemsize)
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        tensor_plan = shard_plan.tensors[name]
+        header[name] = {"dtype": _SAFETENSORS_NAMES[tensor_plan.dtype], "shape": list(tensor_plan.shape),
+                        "data_offsets": [offset, offset + tensor_plan.nbytes]}
+        offset += tensor_plan.nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(header_bytes)))
+        handle.write(header_bytes)
+        for name, tensor in _read_tensors(shard_plan, order):
+            handle.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            del tensor  # drops the last reference to the source mapping before the next tensor is read
+    with safe_open(str(path), framework="pt") as written:  # raises if header and data disagree
+        if set(written.keys()) != set(order):
+            raise RuntimeError(f"{path.name} was written with the wrong tensors")
+
+
+def _read_tensors(shard_plan: _ShardPlan, order: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The output tensors of one shard, cast as planned and checked against the plan."""
+    pickled = shard_plan.source.suffix == ".bin"
+    with _open_shard(shard_plan.source) if pickled else contextlib.nullcontext() as loaded:
+        for name in order:
+            tensor_plan = shard_plan.tensors[name]
+            if tensor_plan.source is None:
+                tensor = torch.zeros(tensor_plan.shape, dtype=tensor_plan.dtype)
+            elif pickled:
+                tensor = loaded.get_tensor(tensor_plan.source)
+            else:
+                with _open_shard(shard_plan.source) as shard:  # one mapping per tensor: released once written
+                    try:
+                        tensor = shard.get_tensor(tensor_plan.source)
+                    except SafetensorError as error:
+                        raise ConversionError(f"{shard_plan.source.name}: tensor {tensor_plan.source} cannot be read "
+                                              f"({error}); the file is corrupted.") from error
+            tensor = tensor.to(tensor_plan.dtype).contiguous()
+            if tuple(tensor.shape) != tensor_plan.shape:
+                raise ConversionError(f"{shard_plan.source.name}: tensor {tensor_plan.source} changed shape while "
+                                      "converting; is another program writing SRC?")
+            yield name, tensor
+            del tensor  # so that at most one source mapping is alive
 
 
 def _save_config(model, staging: Path) -> None:

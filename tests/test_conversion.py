@@ -177,7 +177,7 @@ def _stored_tensors(directory: Path) -> dict[str, str]:
 
 
 def test_sharded_output_keeps_layout_and_copies_side_files(sources, tmp_path):
-    src = sources["llama-sharded"]
+    src = shutil.copytree(sources["llama-sharded"], tmp_path / "src")
     (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     dst = tmp_path / "out"
     report = convert_llama_checkpoint(src, dst, progress=False)
@@ -398,12 +398,12 @@ def test_cli_process_reports_error_on_one_line(tmp_path):
 _SLOW_CONVERSION = """
 import sys, time, pathlib
 import resformer_hf.conversion as conversion
-real_save = conversion.save_file
-def save_then_wait(*args, **kwargs):
-    real_save(*args, **kwargs)
+real_write = conversion._write_shard
+def write_then_wait(*args, **kwargs):
+    real_write(*args, **kwargs)
     pathlib.Path(sys.argv[1]).touch()   # one shard is on disk: the conversion is now mid-run
     time.sleep(120)
-conversion.save_file = save_then_wait
+conversion._write_shard = write_then_wait
 from resformer_hf.convert_cli import main
 sys.exit(main(sys.argv[2:]))
 """
