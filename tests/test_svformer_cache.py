@@ -128,8 +128,10 @@ def test_static_cache_bytes_after_prefill_and_decode_against_llama():
         next_token = torch.randint(3, 128, (1, 1))
         tokens = torch.cat([tokens, next_token], dim=1)
         step = model(next_token, past_key_values=cache, use_cache=True).logits[:, -1]
+        llama(next_token, past_key_values=llama_cache, use_cache=True)
     assert int(cache.get_seq_length()) == 9
     assert cache_nbytes(cache) == kv_bytes(1, 2, 16, LAYERS + 1) + counters
+    assert cache_nbytes(llama_cache) == kv_bytes(1, 2, 16, 2 * LAYERS) + counters
     assert (step - model(tokens).logits[:, -1]).abs().max() < 1e-5
 
 
@@ -169,7 +171,8 @@ def test_crop_then_decode_matches_uncached_and_assisted_decoding_matches_greedy(
     cache = model(tokens, use_cache=True).past_key_values
     cache.crop(-4)  # what assisted decoding does after rejecting draft tokens
     assert cache.get_seq_length() == 6 and all(layer.keys.shape[-2] == 6 for layer in cache.layers)
-    assert_values_shared(cache) and cache.layers[0].values.shape[-2] == 6
+    assert_values_shared(cache)
+    assert cache.layers[0].values.shape[-2] == 6
     logits = model(tokens[:, 6:], past_key_values=cache, use_cache=True).logits
     assert (logits - model(tokens).logits[:, 6:]).abs().max() < 1e-5
 
