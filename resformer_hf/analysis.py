@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 __all__ = [
     "attention_entropy",
@@ -245,6 +248,14 @@ def analyze_checkpoints(
         raise ValueError(
             f"could not load a tokenizer from {tokenizer_source!r} ({error}); pass --tokenizer PATH pointing at one."
         ) from error
+    from transformers import AutoConfig
+
+    import resformer_hf  # noqa: F401  (registers model type "resformer")
+
+    context = min(getattr(AutoConfig.from_pretrained(d), "max_position_embeddings", max_tokens) for d in model_dirs)
+    if max_tokens > context:
+        logger.warning(f"max_tokens={max_tokens} exceeds the models' context ({context}); using {context}.")
+        max_tokens = context
     input_ids = _token_batch(text, tokenizer, max_tokens, num_sequences).to(device)
 
     entropies, similarities, lambdas, kinds = {}, {}, {}, {}
