@@ -59,6 +59,7 @@ _VARIANT_SUMMARIES = {
 
 _INIT_SUMMARIES = {
     "preserve": "λ start where the converted model computes exactly what the base model computed",
+    "paper": "λ start at the paper's initial values, so outputs differ from the base model until fine-tuned",
 }
 
 

@@ -273,7 +273,8 @@ def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: in
     model.eval()
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
     with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
+        output = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                                max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
     return tokenizer.decode(output[0], skip_special_tokens=True)
 
