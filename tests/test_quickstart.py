@@ -108,6 +108,22 @@ def test_defaults_build_a_llama_on_the_bundled_text_and_push(tmp_path, monkeypat
     assert len(AutoTokenizer.from_pretrained(out)) == 300
 
 
+def test_trains_on_a_datasets_folder(tmp_path, tiny_llama, text_file, capsys):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "part.txt").write_text(text_file.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    out = tmp_path / "out"
+    code = quickstart.main(["--model", str(tiny_llama), "--dataset", str(folder), "--steps", "2",
+                            "--output", str(out), *TINY_RUN])
+    assert code == 0, capsys.readouterr()
+    card = ModelCard.load(out / "README.md")
+    assert _card_value(card, "data") == f"dataset {folder}"
+    assert "datasets" not in card.data.to_dict()  # a local folder is not a Hub dataset id
+    assert quickstart.main(["--model", str(tiny_llama), "--dataset", str(folder), "--text-column", "body",
+                            "--output", str(tmp_path / "out2"), *TINY_RUN]) == 2
+    assert "has no column 'body'; its columns are text" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
