@@ -16,6 +16,16 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 
 from .model_card import write_model_card
 from .modeling_resformer import ResFormerPreTrainedModel
+from .registration import _AUTO_MODELS
+
+
+def full_auto_map() -> dict[str, str]:
+    """`auto_map` naming every Auto class, so remote code loads a causal-LM folder as `AutoModel` (or a head) too;
+    `register_for_auto_class` alone names only the saved class."""
+    auto_map = {"AutoConfig": "configuration_resformer.ResFormerConfig"}
+    for auto_class, model_class in _AUTO_MODELS:
+        auto_map[auto_class.__name__] = f"modeling_resformer.{model_class.__name__}"
+    return auto_map
 
 
 def save_for_hub(
@@ -30,7 +40,7 @@ def save_for_hub(
     license: str | None = None,
     model_id: str | None = None,
 ) -> Path:
-    """Write safetensors weights, config with `auto_map`, the remote-code files, `generation_config.json`, the
+    """Write safetensors weights, config with a full `auto_map`, the remote-code files, `generation_config.json`, the
     tokenizer (when given) and `README.md` into `save_directory`; returns the folder."""
     if not isinstance(model, ResFormerPreTrainedModel):
         raise TypeError(
@@ -38,6 +48,7 @@ def save_for_hub(
             "resformer_hf.conversion.convert_llama_checkpoint."
         )
     directory = Path(save_directory)
+    model.config.auto_map = {**full_auto_map(), **(getattr(model.config, "auto_map", None) or {})}
     model.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
@@ -99,4 +110,4 @@ def push_to_hub(
         )
 
 
-__all__ = ["push_to_hub", "save_for_hub", "upload_folder_to_hub"]
+__all__ = ["full_auto_map", "push_to_hub", "save_for_hub", "upload_folder_to_hub"]

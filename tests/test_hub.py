@@ -58,7 +58,7 @@ FRESH_PROCESS = textwrap.dedent(
         input_ids = load_file(job["inputs"])["input_ids"]
         out = {}
         with torch.no_grad():
-            out["logits"] = model(input_ids).logits
+            out[job["field"]] = getattr(model(input_ids), job["field"])
         if job["generate"]:
             out["generated"] = model.generate(input_ids, max_new_tokens=6, do_sample=False)
         save_file(out, job["outputs"])
@@ -149,22 +149,32 @@ def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
     }
     jobs = {"threads": torch.get_num_threads(), "load": {}, "refuse": {}}
     expected = {}
-    for name, (model_class, config, auto_class) in cases.items():
-        model = model_class(config).eval()
-        _perturb_lambdas(model)
-        folder = tmp_path / name
-        model.save_pretrained(folder)
-        with torch.no_grad():
-            expected[name] = {"logits": model(input_ids).logits}
-            if model.can_generate():
-                expected[name]["generated"] = model.generate(input_ids, max_new_tokens=6, do_sample=False)
+
+    def add_job(name, auto_class, folder, field, outputs, generated=None):
+        expected[name] = {field: outputs} | ({"generated": generated} if generated is not None else {})
         jobs["load"][name] = {
             "auto_class": auto_class,
             "folder": str(folder),
+            "field": field,
             "inputs": str(inputs),
             "outputs": str(tmp_path / f"{name}.out.safetensors"),
-            "generate": model.can_generate(),
+            "generate": generated is not None,
         }
+
+    for name, (model_class, config, auto_class) in cases.items():
+        model = model_class(config).eval()
+        _perturb_lambdas(model)
+        model.save_pretrained(tmp_path / name)
+        with torch.no_grad():
+            logits = model(input_ids).logits
+            generated = model.generate(input_ids, max_new_tokens=6, do_sample=False) if model.can_generate() else None
+        add_job(name, auto_class, tmp_path / name, "logits", logits, generated)
+        if name == "learnable_plus":
+            # `save_for_hub` writes the full auto_map: the causal-LM folder also loads as the bare `AutoModel`.
+            resformer_hub.save_for_hub(model, tmp_path / "hub_folder")
+            with torch.no_grad():
+                hidden = model.model(input_ids).last_hidden_state
+            add_job("hub_folder_as_automodel", "AutoModel", tmp_path / "hub_folder", "last_hidden_state", hidden)
     jobs["refuse"]["learnable_plus"] = {"folder": str(tmp_path / "learnable_plus")}
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
@@ -176,7 +186,8 @@ def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.rpartition("REPORT ")[2])
     assert report["plugin_importable"] is False and report["plugin_loaded"] is False
-    for name in cases:
+    assert report["modules"]["hub_folder_as_automodel"].endswith("modeling_resformer")
+    for name in expected:
         assert report["modules"][name].startswith("transformers_modules."), report["modules"][name]
         got = load_file(jobs["load"][name]["outputs"])
         for key, tensor in expected[name].items():
@@ -245,6 +256,8 @@ def test_resformer_push_to_hub_uploads_weights_tokenizer_and_card(monkeypatch, t
     assert {"config.json", "generation_config.json", "model.safetensors", "README.md", "tokenizer.json",
             "tokenizer_config.json"} | EXPECTED_CODE_FILES <= set(files)
     assert not any(name.endswith((".bin", ".pt", ".pkl")) for name in files)
+    auto_map = json.loads(files["config.json"])["auto_map"]
+    assert auto_map == resformer_hub.full_auto_map() and len(auto_map) == 6
 
     card = ModelCard(files["README.md"].decode("utf-8"))
     assert card.data.base_model == "someone/tiny-llama" and card.data.license == "apache-2.0"
