@@ -46,6 +46,9 @@ class ValueResidual(nn.Module):
         elif self.variant == "dense":
             # Row r: offsets of receiving layer receivers[r] on the raw values V_0 .. V_{L-1}; columns > layer unused.
             self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers))
+        # Fixed variants have a constant matrix: build it once (on CPU, explicitly, so a meta-device init cannot
+        # leave it empty) instead of ~10 tiny ops per forward, which cost several % of a small model's prefill.
+        self._fixed_weights = None if any(True for _ in self.parameters()) else self._weights(torch.device("cpu"))
 
     def reset_parameters(self) -> None:
         """Zero every offset: λ back to the initial values in the config."""
@@ -77,7 +80,11 @@ class ValueResidual(nn.Module):
         Only rows of receiving layers are meaningful, and outside `dense` only columns 0 and n are non-zero. For
         `neutreno`, `W[n, 0]` is its λ.
         """
-        device = self._device()
+        if self._fixed_weights is not None:
+            return self._fixed_weights
+        return self._weights(self._device())
+
+    def _weights(self, device: torch.device) -> torch.Tensor:
         size = (self.num_layers, self.num_layers)
         weights = torch.zeros(size, device=device)
         if self.variant in ("none", "svformer") or not self.receivers:
@@ -122,7 +129,7 @@ def mix_values(own_values: torch.Tensor, residual_values: torch.Tensor, weights:
     weights = weights.to(own_values.dtype)
     mixed = own_values * weights[layer_idx]
     for j in range(residual_values.shape[0]):
-        mixed = mixed + residual_values[j] * weights[j]
+        mixed = torch.addcmul(mixed, residual_values[j], weights[j])  # one fused kernel instead of mul + add
     return mixed
 
 
