@@ -62,6 +62,9 @@ FRESH_PROCESS = textwrap.dedent(
         if job["generate"]:
             out["generated"] = model.generate(input_ids, max_new_tokens=6, do_sample=False)
         save_file(out, job["outputs"])
+        if job.get("tokenizer_text"):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(job["folder"], trust_remote_code=True)
+            report["token_ids"] = tokenizer(job["tokenizer_text"])["input_ids"]
     for name, job in jobs["refuse"].items():
         for trust in (None, False):
             try:
@@ -171,10 +174,11 @@ def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
         add_job(name, auto_class, tmp_path / name, "logits", logits, generated)
         if name == "learnable_plus":
             # `save_for_hub` writes the full auto_map: the causal-LM folder also loads as the bare `AutoModel`.
-            resformer_hub.save_for_hub(model, tmp_path / "hub_folder")
+            resformer_hub.save_for_hub(model, tmp_path / "hub_folder", tokenizer=_tiny_tokenizer())
             with torch.no_grad():
                 hidden = model.model(input_ids).last_hidden_state
             add_job("hub_folder_as_automodel", "AutoModel", tmp_path / "hub_folder", "last_hidden_state", hidden)
+            jobs["load"]["hub_folder_as_automodel"]["tokenizer_text"] = "the value of a layer"
     jobs["refuse"]["learnable_plus"] = {"folder": str(tmp_path / "learnable_plus")}
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
@@ -187,6 +191,7 @@ def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
     report = json.loads(result.stdout.rpartition("REPORT ")[2])
     assert report["plugin_importable"] is False and report["plugin_loaded"] is False
     assert report["modules"]["hub_folder_as_automodel"].endswith("modeling_resformer")
+    assert report["token_ids"] == _tiny_tokenizer()("the value of a layer")["input_ids"] == [3, 4, 5, 6, 7]
     for name in expected:
         assert report["modules"][name].startswith("transformers_modules."), report["modules"][name]
         got = load_file(jobs["load"][name]["outputs"])
