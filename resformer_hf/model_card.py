@@ -98,7 +98,10 @@ def _lambda_note(variant: str, given: bool) -> str:
     elif variant == "svformer":
         note += " SVFormer layers n ≥ 1 have no `v_proj` and attend over V_0 itself."
     elif variant == "neutreno":
-        note += " NeuTRENO adds `λ·(V_0 − V_n)` after attention; the table shows λ as λ_first and 1 − λ as λ_self."
+        note += (
+            " NeuTRENO adds `λ·(V_0 − V_n)` after attention; the table shows λ as λ_first and 1 − λ as"
+            " λ_self."
+        )
     return note
 
 

@@ -23,7 +23,9 @@ from pathlib import Path
 
 PROG = "resformer-quickstart"
 SAMPLE_NAME = "sample_en.txt"
-SAMPLE_DESCRIPTION = "bundled public-domain sample (Austen, Pride and Prejudice ch. 1-20; Shakespeare, Hamlet acts I-III)"
+SAMPLE_DESCRIPTION = (
+    "bundled public-domain sample (Austen, Pride and Prejudice ch. 1-20; Shakespeare, Hamlet acts I-III)"
+)
 #: Size of the Llama built when no `--model` is given: small enough to train a visible amount in a minute on 2 cores.
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2)
@@ -65,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     method.add_argument("--steps", type=_positive_int, default=100, help="training steps (default: 100)")
     method.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default: 8)")
     method.add_argument("--block-size", type=_positive_int, default=128, help="tokens per sequence (default: 128)")
-    method.add_argument("--learning-rate", type=_positive_float, default=2e-3, help="peak learning rate (default: 2e-3)")
+    method.add_argument("--learning-rate", type=_positive_float, default=2e-3,
+                        help="peak learning rate (default: 2e-3)")
     method.add_argument("--vocab-size", type=_positive_int, default=2000,
                         help="size of the BPE trained when no tokenizer is available (default: 2000)")
     method.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")

@@ -238,8 +238,10 @@ def test_stock_push_to_hub_uploads_remote_code(monkeypatch):
     model.push_to_hub("someone/tiny-resformer")
     assert hub.repos == ["someone/tiny-resformer"]
     (files,) = hub.commits
-    assert set(files) == {"config.json", "generation_config.json", "model.safetensors", "README.md"} | EXPECTED_CODE_FILES
-    assert json.loads(files["config.json"])["auto_map"]["AutoModelForCausalLM"] == "modeling_resformer.ResFormerForCausalLM"
+    expected_files = {"config.json", "generation_config.json", "model.safetensors", "README.md"} | EXPECTED_CODE_FILES
+    assert set(files) == expected_files
+    auto_map = json.loads(files["config.json"])["auto_map"]
+    assert auto_map["AutoModelForCausalLM"] == "modeling_resformer.ResFormerForCausalLM"
 
 
 def test_resformer_push_to_hub_uploads_weights_tokenizer_and_card(monkeypatch, tmp_path):

@@ -127,7 +127,8 @@ def test_installed_wheel_renders_cards(tmp_path):
                     str(source)], check=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        assert archive.read(f"resformer_hf/{TEMPLATE_NAME}") == (REPO_ROOT / "model_cards" / "resformer.md").read_bytes()
+        shipped = archive.read(f"resformer_hf/{TEMPLATE_NAME}")
+        assert shipped == (REPO_ROOT / "model_cards" / "resformer.md").read_bytes()
         archive.extractall(tmp_path / "site")
     script = (
         "import resformer_hf, pathlib; from resformer_hf.model_card import build_model_card;"

@@ -57,8 +57,9 @@ def test_converts_a_given_model_fine_tunes_and_writes_a_loadable_folder(tmp_path
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "max |Δ logits| converted vs source: 0 (exact" in printed  # init=preserve by default for --model
+    written = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "README.md",
-            "modeling_resformer.py", "configuration_resformer.py", "value_residual.py"} <= {p.name for p in out.iterdir()}
+            "modeling_resformer.py", "configuration_resformer.py", "value_residual.py"} <= written
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "resformer" and config["value_residual"] == "learnable_plus"
