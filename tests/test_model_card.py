@@ -129,6 +129,8 @@ def test_installed_wheel_renders_cards(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         shipped = archive.read(f"resformer_hf/{TEMPLATE_NAME}")
         assert shipped == (REPO_ROOT / "model_cards" / "resformer.md").read_bytes()
+        # The quickstart's default training text ships too, with its credits.
+        assert {"resformer_hf/data/sample_en.txt", "resformer_hf/data/README.md"} <= set(archive.namelist())
         archive.extractall(tmp_path / "site")
     script = (
         "import resformer_hf, pathlib; from resformer_hf.model_card import build_model_card;"
