@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.resources
+import json
 import logging
 import math
 import os
@@ -278,7 +279,8 @@ def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: in
     with torch.no_grad():
         output = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                                 max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
-                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                                pad_token_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None
+                                else tokenizer.pad_token_id)
     return tokenizer.decode(output[0], skip_special_tokens=True)
 
 
@@ -328,10 +330,16 @@ def run(args: argparse.Namespace) -> int:
         if report.max_abs_logit_diff is not None:
             expected = "exact, as init=preserve promises" if init == "preserve" else f"init={init} changes outputs"
             print(f"    max |Δ logits| converted vs source: {report.max_abs_logit_diff:.3g} ({expected})")
-        if len(tokenizer) > _vocab_size(report.dst):
+        model_config = json.loads((Path(report.dst) / "config.json").read_text())
+        if len(tokenizer) > model_config["vocab_size"]:
             raise QuickstartError(
-                f"the tokenizer has {len(tokenizer)} tokens but the model only {_vocab_size(report.dst)}; pass the "
+                f"the tokenizer has {len(tokenizer)} tokens but the model only {model_config['vocab_size']}; pass the "
                 "model's own tokenizer with --tokenizer"
+            )
+        if args.block_size > model_config.get("max_position_embeddings", args.block_size):
+            raise QuickstartError(
+                f"--block-size {args.block_size} exceeds the model's max_position_embeddings "
+                f"({model_config['max_position_embeddings']}); pass a smaller --block-size"
             )
 
         _announce(3, total, f"Fine-tuning with transformers.Trainer for {args.steps} steps")
@@ -415,12 +423,6 @@ def _check_model_reachable(name: str) -> None:
             f"--model {name} is not a local directory and could not be fetched from the Hub ({type(error).__name__}); "
             "check the path or repo id and your connection (HF_HUB_OFFLINE)"
         ) from error
-
-
-def _vocab_size(model_dir: Path) -> int:
-    import json
-
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
 
 def _first_line(error: BaseException) -> str:

@@ -141,6 +141,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert len(err) == 1 and err[0].startswith("resformer-quickstart: error: ") and message in err[0], err
 
 
+def test_block_longer_than_the_models_positions_is_refused(tmp_path, tiny_llama, text_file, capsys):
+    code = quickstart.main(["--model", str(tiny_llama), "--data", str(text_file), "--block-size", "128",
+                            "--output", str(tmp_path / "out")])
+    assert code == 2
+    assert "--block-size 128 exceeds the model's max_position_embeddings (64)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_refuses_to_clobber_a_non_empty_output(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("user data")
     assert quickstart.main(["--output", str(tmp_path)]) == 2
