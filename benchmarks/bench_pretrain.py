@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import math
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -96,7 +97,8 @@ def batch_order(num_sequences: int, batch_size: int, steps: int, seed: int) -> t
     """[steps, batch_size] sequence indices: a seeded shuffle per epoch, identical for every variant."""
     generator = torch.Generator().manual_seed(seed)
     needed = steps * batch_size
-    order = torch.cat([torch.randperm(num_sequences, generator=generator) for _ in range(math.ceil(needed / num_sequences))])
+    epochs = math.ceil(needed / num_sequences)
+    order = torch.cat([torch.randperm(num_sequences, generator=generator) for _ in range(epochs)])
     return order[:needed].view(steps, batch_size)
 
 
@@ -195,7 +197,10 @@ def write_report(payload: dict, out_dir: Path) -> None:
     rows = []
     for name, r in results.items():
         reached = tokens_to_reach(r["curve"], target)
-        saving = "—" if name == BASELINE else ("not reached" if reached is None else f"{100 * (1 - reached / budget):.1f}%")
+        if name == BASELINE:
+            saving = "—"
+        else:
+            saving = "not reached" if reached is None else f"{100 * (1 - reached / budget):.1f}%"
         rows.append([
             f"`{name}`",
             f"{r['final_val_loss']:.4f}",
@@ -210,12 +215,13 @@ def write_report(payload: dict, out_dir: Path) -> None:
     cfg = payload["config"]
     lines = [
         "# Pre-training: Llama vs value-residual variants (CPU scale)",
-        "Regenerate: `python benchmarks/bench_pretrain.py` (flags below). " + payload["environment"],
+        f"Regenerate: `{payload.get('command', 'python benchmarks/bench_pretrain.py')}`. " + payload["environment"],
         f"Model: hidden {cfg['hidden_size']}, {cfg['layers']} layers, {cfg['heads']} heads, intermediate "
         f"{cfg['intermediate_size']}, vocab {cfg['vocab_size']} (byte-level BPE trained on the training split), "
         f"context {cfg['seq_len']}; {payload['steps']} AdamW steps × {cfg['batch_size']} sequences = "
         f"{budget / 1e6:.2f}M training tokens per model, lr {cfg['lr']} (warmup {cfg['warmup']:.0%}, cosine to 10%), "
-        f"weight decay {cfg['weight_decay']}, seed {cfg['seed']}; validation loss every {cfg.get('eval_every', '?')} steps "
+        f"weight decay {cfg['weight_decay']}, seed {cfg['seed']}; validation loss every "
+        f"{cfg.get('eval_every', '?')} steps "
         f"on {payload['val_tokens'] / 1e3:.0f}k tokens: fixed, evenly spaced windows of the held-out last "
         f"{cfg['val_fraction']:.0%} of each corpus file.",
         "",
@@ -225,7 +231,8 @@ def write_report(payload: dict, out_dir: Path) -> None:
             rows,
         ),
         "",
-        "*fewer tokens than Llama* is the paper's metric (20.3% at 82M–468M parameters): `1 − tokens_to_reach / budget`,"
+        "*fewer tokens than Llama* is the paper's metric (20.3% at 82M–468M parameters): "
+        "`1 − tokens_to_reach / budget`,"
         " interpolating linearly between evaluations. Train time ratios are wall-clock on a shared machine (noisy).",
     ]
     if best is not None:
@@ -355,6 +362,7 @@ def main(argv=None) -> None:
         "steps": steps,
         "val_tokens": val.numel(),
         "environment": environment_line(device),
+        "command": " ".join(["python benchmarks/bench_pretrain.py", *(sys.argv[1:] if argv is None else argv)]),
         "results": [],
     }
     saved = args.out / "pretrain.json"

@@ -75,8 +75,10 @@ def interleaved_medians(
         for action in actions.values():
             action()
     samples: dict[str, list[float]] = {name: [] for name in actions}
-    for _ in range(repeats):
-        for name, action in actions.items():
+    names = list(actions)
+    for repeat in range(repeats):
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:  # rotate: no fixed position bias
+            action = actions[name]
             synchronize(device)
             start = time.perf_counter()
             action()
@@ -95,7 +97,7 @@ def environment_line(device: torch.device) -> str:
     """One line saying where and with what the numbers were measured."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'CPU'}"
     return (
-        f"Measured {_dt.date.today().isoformat()} on {where} ({device.type}, {torch.get_num_threads()} threads, "
+        f"Measured {_dt.date.today().isoformat()} on {where} ({device.type}, torch threads: {torch.get_num_threads()}, "
         f"{os.cpu_count()} cores visible), torch {torch.__version__}, transformers {transformers.__version__}, "
         f"resformer-hf {resformer_hf.__version__}."
     )

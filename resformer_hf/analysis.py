@@ -274,7 +274,9 @@ def analyze_checkpoints(
         "and query tokens; low = concentrated); token similarity = mean pairwise cosine of hidden states (entry 0 = "
         "embeddings; high = over-smoothed).",
         "## Models",
-        _markdown_table(["name", "checkpoint", "value_residual"], [[n, f"`{d}`", kinds[n]] for n, d in zip(names, model_dirs)]),
+        _markdown_table(
+            ["name", "checkpoint", "value_residual"], [[n, f"`{d}`", kinds[n]] for n, d in zip(names, model_dirs)]
+        ),
         "## Attention entropy per layer",
         _per_layer_table(entropies, first_layer=0),
         "## Token similarity per layer",
