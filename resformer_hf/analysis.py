@@ -15,6 +15,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -158,6 +159,11 @@ def plot_per_layer(
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend()
+    return _save_figure(plt, figure, path)
+
+
+def _save_figure(plt: Any, figure: Any, path: str | os.PathLike) -> Path:
+    """Write `figure` as a PNG at `path` (parent folders created) and free it."""
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -190,12 +196,7 @@ def plot_lambdas(tables: Mapping[str, torch.Tensor], path: str | os.PathLike) ->
     axes.set_title("Value-residual λ per layer")
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save_figure(plt, figure, path)
 
 
 # ---- command line ------------------------------------------------------------------------------------------------

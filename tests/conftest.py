@@ -32,6 +32,18 @@ def tiny_config(variant: str = "learnable_plus", **overrides) -> ResFormerConfig
     return ResFormerConfig(**{**TINY, "value_residual": variant, **overrides})
 
 
+def model_with_random_lambdas(config: ResFormerConfig, bound: float = 0.4):
+    """A tiny causal LM (eval mode) whose learnable λ offsets are uniform in ±bound, so trained-looking λ are
+    exercised rather than the initial values."""
+    from resformer_hf import ResFormerForCausalLM
+
+    model = ResFormerForCausalLM(config).eval()
+    with torch.no_grad():
+        for parameter in model.model.value_residual.parameters():
+            parameter.uniform_(-bound, bound)
+    return model
+
+
 @pytest.fixture(params=VALUE_RESIDUAL_VARIANTS)
 def variant(request) -> str:
     return request.param

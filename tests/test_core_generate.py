@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from resformer_hf import ResFormerForCausalLM
-from conftest import tiny_config
+from conftest import model_with_random_lambdas, tiny_config
 
 GREEDY = dict(max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -13,11 +13,7 @@ GREEDY = dict(max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=N
 def model_for(variant: str) -> ResFormerForCausalLM:
     """Tiny model with a larger init so greedy choices are not near-ties, and random λ offsets."""
     torch.manual_seed(0)
-    model = ResFormerForCausalLM(tiny_config(variant, initializer_range=0.2)).eval()
-    with torch.no_grad():
-        for parameter in model.model.value_residual.parameters():
-            parameter.uniform_(-0.3, 0.3)
-    return model
+    return model_with_random_lambdas(tiny_config(variant, initializer_range=0.2), bound=0.3)
 
 
 def test_greedy_with_cache_equals_without(variant):

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
-from conftest import TINY, tiny_config
+from conftest import TINY, model_with_random_lambdas, tiny_config
 from reference import reference_logits
 
 # Non-default λ for every variant that takes them, so the reference checks the fields are really read.
@@ -26,11 +26,7 @@ NON_DEFAULT = {
 
 def randomised_model(variant: str, **overrides) -> ResFormerForCausalLM:
     """A tiny model whose learnable λ offsets are random, so trained-looking λ are exercised."""
-    model = ResFormerForCausalLM(tiny_config(variant, **{**NON_DEFAULT[variant], **overrides})).eval()
-    with torch.no_grad():
-        for parameter in model.model.value_residual.parameters():
-            parameter.uniform_(-0.4, 0.4)
-    return model
+    return model_with_random_lambdas(tiny_config(variant, **{**NON_DEFAULT[variant], **overrides}))
 
 
 def test_every_variant_matches_the_plain_reference(variant):
