@@ -206,6 +206,8 @@ class ResFormerPreTrainedModel(PreTrainedModel):
         if isinstance(module, ValueResidual):
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
+            if module.fixed_weights is not None:
+                init.copy_(module.fixed_weights, module.mixing_weights(module.fixed_weights.device))
 
     def value_residual_lambdas(self) -> torch.Tensor:
         """Effective (λ_first, λ_self) of every layer, float32 [num_hidden_layers, 2].

@@ -22,8 +22,7 @@ class ValueResidual(nn.Module):
     Learnable λ are stored as *offsets from their configured initial values* (the initial values live in the config).
     Weight decay therefore pulls λ toward their initial values rather than toward zero, which would silently switch
     the value residual off, and a checkpoint that lacks them (zero offsets) gets exactly the documented initial values.
-    Fixed values are plain Python numbers, not buffers: transformers leaves non-persistent buffers uninitialised when
-    it loads on the meta device.
+    Initial and fixed values come from the config, never from the checkpoint.
     """
 
     def __init__(self, config: ResFormerConfig):
@@ -46,14 +45,19 @@ class ValueResidual(nn.Module):
         elif self.variant == "dense":
             # Row r: offsets of receiving layer receivers[r] on the raw values V_0 .. V_{L-1}; columns > layer unused.
             self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers))
-        # Fixed variants have a constant matrix: build it once (on CPU, explicitly, so a meta-device init cannot
-        # leave it empty) instead of ~10 tiny ops per forward, which cost several % of a small model's prefill.
-        self._fixed_weights = None if any(True for _ in self.parameters()) else self._weights(torch.device("cpu"))
+        # Fixed variants have a constant matrix: build it once instead of ~10 tiny ops per forward, which cost several
+        # % of a small model's prefill. A non-persistent buffer follows `.to(device)` / device maps like Llama's rotary
+        # `inv_freq`; like it, `_init_weights` rebuilds it when transformers loads on the meta device.
+        fixed = None if any(True for _ in self.parameters()) else self.mixing_weights(torch.device("cpu"))
+        self.register_buffer("fixed_weights", fixed, persistent=False)
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Zero every offset: λ back to the initial values in the config."""
+        """Zero every offset (λ back to the initial values in the config) and rebuild the fixed matrix in place."""
         for parameter in self.parameters(recurse=False):
-            nn.init.zeros_(parameter)
+            parameter.zero_()
+        if self.fixed_weights is not None:
+            self.fixed_weights.copy_(self.mixing_weights(self.fixed_weights.device))
 
     def _receiver_pairs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(λ_first, λ_self) of each receiving layer, as differentiable tensors of shape [len(receivers)]."""
@@ -63,12 +67,10 @@ class ValueResidual(nn.Module):
             scale = self.lambda_scale_offset + self.lambda_scale_init
             return scale * torch.softmax(self.lambda_logits, dim=0), self.lambda_self_offset + self.lambda_self_init
         n = len(self.receivers)
+        exact = dict(device=device, dtype=torch.float32)  # not the default dtype: bf16 would round 0.4 to 0.4004
         if self.variant == "neutreno":
-            return torch.full((n,), self.neutreno_lambda, device=device), torch.ones(n, device=device)
-        return (
-            torch.full((n,), self.lambda_first_init, device=device),
-            torch.full((n,), self.lambda_self_init, device=device),
-        )
+            return torch.full((n,), self.neutreno_lambda, **exact), torch.ones(n, **exact)
+        return torch.full((n,), self.lambda_first_init, **exact), torch.full((n,), self.lambda_self_init, **exact)
 
     def _device(self) -> torch.device:
         parameter = next(self.parameters(), None)
@@ -80,16 +82,18 @@ class ValueResidual(nn.Module):
         Only rows of receiving layers are meaningful, and outside `dense` only columns 0 and n are non-zero. For
         `neutreno`, `W[n, 0]` is its λ.
         """
-        if self._fixed_weights is not None:
-            return self._fixed_weights
-        return self._weights(self._device())
+        if self.fixed_weights is not None:
+            return self.fixed_weights
+        return self.mixing_weights(self._device())
 
-    def _weights(self, device: torch.device) -> torch.Tensor:
+    def mixing_weights(self, device: torch.device) -> torch.Tensor:
+        """`forward()`'s matrix computed afresh on `device`, always float32 (whatever the default dtype is while
+        transformers builds the model, e.g. `from_pretrained(..., dtype=torch.bfloat16)`)."""
         size = (self.num_layers, self.num_layers)
-        weights = torch.zeros(size, device=device)
+        weights = torch.zeros(size, device=device, dtype=torch.float32)
         if self.variant in ("none", "svformer") or not self.receivers:
             return weights
-        receivers = torch.tensor(self.receivers, device=device)
+        receivers = torch.tensor(self.receivers, device=device, dtype=torch.long)
         if self.variant == "dense":
             columns = torch.arange(self.num_layers, device=device)
             mask = (columns[None, :] <= receivers[:, None]).float()
@@ -103,7 +107,7 @@ class ValueResidual(nn.Module):
     @torch.no_grad()
     def lambda_table(self) -> torch.Tensor:
         """Effective (λ_first, λ_self) of every layer as a float32 CPU tensor [L, 2]; see `value_residual_lambdas`."""
-        table = torch.zeros(self.num_layers, 2)
+        table = torch.zeros(self.num_layers, 2, dtype=torch.float32)
         table[:, 1] = 1.0
         if self.variant == "svformer":
             table[1:] = torch.tensor([1.0, 0.0])

@@ -198,6 +198,17 @@ def test_lambdas_stay_float32_when_loading_in_bfloat16(tmp_path):
     assert (logits.float() - model(input_ids).logits).abs().max().item() < 0.1
 
 
+def test_every_variant_loads_in_bfloat16_with_exact_lambdas(tmp_path, variant):
+    """Loading builds the model under a bf16 default dtype; λ and the fixed mixing matrix must stay exact float32."""
+    model = randomised_model(variant)
+    model.save_pretrained(tmp_path)
+    loaded = ResFormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    assert torch.equal(loaded.value_residual_lambdas(), model.value_residual_lambdas())
+    assert torch.equal(loaded.model.value_residual(), model.model.value_residual())
+    input_ids = torch.randint(3, 128, (1, 8))
+    assert (loaded(input_ids).logits.float() - model(input_ids).logits).abs().max().item() < 0.1
+
+
 def test_heads_build_and_run(variant):
     from transformers import (
         AutoModelForQuestionAnswering,
