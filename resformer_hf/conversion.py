@@ -35,6 +35,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging
 
 from .configuration_resformer import DEFAULT_LAMBDAS, ResFormerConfig
+from .registration import full_auto_map
 
 logger = logging.get_logger(__name__)
 
@@ -637,9 +638,10 @@ def _read_tensors(shard_plan: _ShardPlan, order: list[str]) -> Iterator[tuple[st
 def _save_config(model, staging: Path) -> None:
     """config.json, plus what `model.save_pretrained` adds when the package marks its classes for remote code
     (`register_for_auto_class`): the modeling files and `auto_map`, so the output also loads with
-    `trust_remote_code=True`."""
+    `trust_remote_code=True` — with every Auto class, as folders from `resformer_hf.hub` do."""
     if model.is_remote_code():
         custom_object_save(model, staging, config=model.config)
+        model.config.auto_map = {**full_auto_map(), **model.config.auto_map}
     model.config.save_pretrained(staging)
 
 

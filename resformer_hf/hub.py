@@ -16,16 +16,7 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 
 from .model_card import write_model_card
 from .modeling_resformer import ResFormerPreTrainedModel
-from .registration import _AUTO_MODELS
-
-
-def full_auto_map() -> dict[str, str]:
-    """`auto_map` naming every Auto class, so remote code loads a causal-LM folder as `AutoModel` (or a head) too;
-    `register_for_auto_class` alone names only the saved class."""
-    auto_map = {"AutoConfig": "configuration_resformer.ResFormerConfig"}
-    for auto_class, model_class in _AUTO_MODELS:
-        auto_map[auto_class.__name__] = f"modeling_resformer.{model_class.__name__}"
-    return auto_map
+from .registration import full_auto_map
 
 
 def save_for_hub(

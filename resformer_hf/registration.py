@@ -41,3 +41,12 @@ def register_auto_classes() -> None:
     for auto_class, model_class in _AUTO_MODELS:
         auto_class.register(ResFormerConfig, model_class, exist_ok=True)
         model_class.register_for_auto_class(auto_class.__name__)
+
+
+def full_auto_map() -> dict[str, str]:
+    """`auto_map` naming every Auto class, so remote code loads a causal-LM folder as `AutoModel` (or a head) too;
+    `register_for_auto_class` alone names only the saved class."""
+    auto_map = {"AutoConfig": f"configuration_resformer.{ResFormerConfig.__name__}"}
+    for auto_class, model_class in _AUTO_MODELS:
+        auto_map[auto_class.__name__] = f"modeling_resformer.{model_class.__name__}"
+    return auto_map

@@ -28,6 +28,7 @@ from transformers import (
 
 from resformer_hf import ConversionError, ResFormerForCausalLM, convert_llama_checkpoint
 from resformer_hf.convert_cli import main as cli_main
+from resformer_hf.registration import full_auto_map
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TOKENIZER = REPO.parent / "shared" / "data" / "tokenizers" / "llama2_layout_sp32000.model"
@@ -458,6 +459,7 @@ def test_converted_checkpoint_loads_with_remote_code_only(sources, tmp_path):
     src = sources["qwen2"]
     dst = tmp_path / "dst"
     convert_llama_checkpoint(src, dst, variant="learnable_plus", progress=False)
+    assert json.loads((dst / "config.json").read_text())["auto_map"] == full_auto_map()
     env = {**_env(), "PYTHONPATH": ""}
     result = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_PLUGIN, str(dst), str(tmp_path / "logits.st")],
                             capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
