@@ -33,6 +33,7 @@ from common import pyplot, setup_device
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
+from resformer_hf.text import pack_blocks, split_documents, token_stream, train_tokenizer
 
 DEFAULT_VARIANTS = [BASELINE, "identity", "learnable", "learnable_plus", "sparse", "svformer", "neutreno"]
 DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "data" / "corpus"
@@ -41,56 +42,24 @@ DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "data" / "corpus"
 # ---- data ----------------------------------------------------------------------------------------------------------
 
 
-def split_corpus(corpus_dir: Path, val_fraction: float) -> tuple[list[str], list[str]]:
-    """(training texts, validation texts): the last `val_fraction` of every file is held out, cut at a line break."""
+def read_corpus(corpus_dir: Path) -> list[str]:
+    """Every `*.txt` document of the corpus folder, in name order."""
     files = sorted(corpus_dir.glob("*.txt"))
     if not files:
         raise SystemExit(f"no *.txt files in {corpus_dir}; pass --corpus-dir pointing at plain-text files.")
-    train, val = [], []
-    for path in files:
-        text = path.read_text(encoding="utf-8")
-        cut = text.rfind("\n", 0, int(len(text) * (1 - val_fraction))) + 1
-        train.append(text[:cut])
-        val.append(text[cut:])
-    return train, val
+    return [path.read_text(encoding="utf-8") for path in files]
 
 
-def train_tokenizer(train_texts: list[str], vocab_size: int, cache: Path | None = None):
-    """A byte-level BPE trained on the training split only (validation text never influences the vocabulary)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def cached_tokenizer(train_texts: list[str], vocab_size: int, cache: Path | None):
+    """The text pipeline's byte-level BPE, trained on the training split only and cached for resumed runs."""
+    from transformers import AutoTokenizer
 
-    if cache is not None and cache.is_file():
-        return Tokenizer.from_file(str(cache))
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(train_texts, trainer=trainer)
+    if cache is not None and (cache / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(cache)
+    tokenizer = train_tokenizer(train_texts, vocab_size)
     if cache is not None:
-        tokenizer.save(str(cache))
+        tokenizer.save_pretrained(cache)
     return tokenizer
-
-
-def encode(tokenizer, texts: list[str]) -> torch.Tensor:
-    """All texts as one token stream, documents separated by <|endoftext|>."""
-    eot = tokenizer.token_to_id("<|endoftext|>")
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer.encode(text).ids)
-        ids.append(eot)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def chunk(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Non-overlapping [N, seq_len] windows (the model shifts labels itself)."""
-    count = stream.numel() // seq_len
-    return stream[: count * seq_len].view(count, seq_len)
 
 
 def batch_order(num_sequences: int, batch_size: int, steps: int, seed: int) -> torch.Tensor:
@@ -327,34 +296,30 @@ def main(argv=None) -> None:
         return
     device = setup_device(args)
     intermediate = args.intermediate_size or max(32, round(args.hidden_size * 8 / 3 / 32) * 32)
-    train_texts, val_texts = split_corpus(args.corpus_dir, args.val_fraction)
+    train_texts, val_texts = split_documents(read_corpus(args.corpus_dir), args.val_fraction)
     key = hashlib.sha1(f"{args.corpus_dir.resolve()}|{args.vocab_size}|{args.val_fraction}".encode()).hexdigest()[:12]
-    cache = Path(tempfile.gettempdir()) / f"resformer-bench-pretrain-tokenizer-{key}.json"  # reused by resumed runs
-    tokenizer = train_tokenizer(train_texts, args.vocab_size, None if args.fresh else cache)
-    train = chunk(encode(tokenizer, train_texts), args.seq_len)
-    val = chunk(encode(tokenizer, val_texts), args.seq_len)
+    cache = Path(tempfile.gettempdir()) / f"resformer-bench-pretrain-tokenizer-{key}"  # reused by resumed runs
+    tokenizer = cached_tokenizer(train_texts, args.vocab_size, None if args.fresh else cache)
+    train = pack_blocks(token_stream(tokenizer, train_texts), args.seq_len)
+    val = pack_blocks(token_stream(tokenizer, val_texts), args.seq_len)
     if args.val_tokens and len(val) * args.seq_len > args.val_tokens:  # a fixed, evenly spaced subset of the tail
         keep = max(1, args.val_tokens // args.seq_len)
         val = val[torch.linspace(0, len(val) - 1, keep).round().long()]
     steps = max(1, args.tokens // (args.batch_size * args.seq_len))
     order = batch_order(len(train), args.batch_size, steps, args.seed)
     print(f"{train.numel() / 1e6:.2f}M training tokens, {val.numel() / 1e3:.0f}k validation tokens, {steps} steps")
-    eot = tokenizer.token_to_id("<|endoftext|>")
     size = dict(
-        vocab_size=tokenizer.get_vocab_size(), hidden_size=args.hidden_size, intermediate_size=intermediate,
+        vocab_size=len(tokenizer), hidden_size=args.hidden_size, intermediate_size=intermediate,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads or args.heads,
-        max_position_embeddings=args.seq_len, tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot,
+        max_position_embeddings=args.seq_len, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     if args.save_dir:
-        from transformers import PreTrainedTokenizerFast
-
-        PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(
-            Path(args.save_dir) / "tokenizer"
-        )
+        tokenizer.save_pretrained(Path(args.save_dir) / "tokenizer")
     payload = {
         "config": {
             "hidden_size": args.hidden_size, "layers": args.layers, "heads": args.heads, "kv_heads": args.kv_heads
-            or args.heads, "intermediate_size": intermediate, "vocab_size": tokenizer.get_vocab_size(),
+            or args.heads, "intermediate_size": intermediate, "vocab_size": len(tokenizer),
             "seq_len": args.seq_len, "batch_size": args.batch_size, "lr": args.lr, "warmup": args.warmup,
             "weight_decay": args.weight_decay, "seed": args.seed, "val_fraction": args.val_fraction,
             "eval_every": args.eval_every,

@@ -9,7 +9,6 @@ User errors print one line and exit with status 2, never a traceback (`--debug` 
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import logging
 import math
@@ -22,11 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .text import SAMPLE_DESCRIPTION, sample_text, train_tokenizer
+
 PROG = "resformer-quickstart"
-SAMPLE_NAME = "sample_en.txt"
-SAMPLE_DESCRIPTION = (
-    "bundled public-domain sample (Austen, Pride and Prejudice ch. 1-20; Shakespeare, Hamlet acts I-III)"
-)
 #: Size of the Llama built when no `--model` is given: small enough to train a visible amount in a minute on 2 cores.
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2)
@@ -145,27 +142,7 @@ def load_texts(args: argparse.Namespace) -> tuple[list[str], str, list[str]]:
             except UnicodeDecodeError:
                 raise QuickstartError(f"--data file {name} is not UTF-8 text") from None
         return texts, "text files " + ", ".join(Path(name).name for name in args.data), []
-    sample = importlib.resources.files(__package__).joinpath("data", SAMPLE_NAME).read_text(encoding="utf-8")
-    return [sample], SAMPLE_DESCRIPTION, []
-
-
-def train_tokenizer(texts: list[str], vocab_size: int):
-    """A byte-level BPE trained on the data, wrapped as a `PreTrainedTokenizerFast` (works offline, saves as
-    tokenizer.json, loads with `AutoTokenizer`)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE(unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return [sample_text()], SAMPLE_DESCRIPTION, []
 
 
 def load_tokenizer(name: str):
@@ -201,21 +178,15 @@ def build_small_llama(tokenizer, directory: Path, block_size: int, seed: int) ->
 
 
 def group_into_blocks(texts: list[str], tokenizer, block_size: int):
-    """Tokenise, join with EOS and cut into equal blocks: the `run_clm` recipe, as a `datasets.Dataset`."""
-    from datasets import Dataset
+    """The text pipeline's blocks (`resformer_hf.text.block_dataset`), refusing data too short to train on."""
+    from .text import block_dataset
 
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"] + eos)
-    count = len(ids) // block_size
-    if count < 4:
+    blocks = block_dataset(tokenizer, texts, block_size)
+    if len(blocks) < 4:
         raise QuickstartError(
-            f"the data has {len(ids)} tokens, fewer than 4 blocks of {block_size}; give more text or a smaller "
-            "--block-size"
+            f"the data has fewer than 4 blocks of {block_size} tokens; give more text or a smaller --block-size"
         )
-    blocks = [ids[i * block_size:(i + 1) * block_size] for i in range(count)]
-    return Dataset.from_dict({"input_ids": blocks, "labels": blocks})
+    return blocks
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny configs so the whole suite runs in minutes on 2 CPU cores, offline."""
+"""Fixtures and offline mode for the whole suite; shared helper functions live in `helpers.py`."""
 
 from __future__ import annotations
 
@@ -11,38 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import resformer_hf  # noqa: E402,F401  (registers the Auto classes)
-from resformer_hf import VALUE_RESIDUAL_VARIANTS, ResFormerConfig  # noqa: E402
-
-TINY = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
-def tiny_config(variant: str = "learnable_plus", **overrides) -> ResFormerConfig:
-    """A 4-layer GQA ResFormer config small enough for exhaustive per-variant tests."""
-    return ResFormerConfig(**{**TINY, "value_residual": variant, **overrides})
-
-
-def model_with_random_lambdas(config: ResFormerConfig, bound: float = 0.4):
-    """A tiny causal LM (eval mode) whose learnable λ offsets are uniform in ±bound, so trained-looking λ are
-    exercised rather than the initial values."""
-    from resformer_hf import ResFormerForCausalLM
-
-    model = ResFormerForCausalLM(config).eval()
-    with torch.no_grad():
-        for parameter in model.model.value_residual.parameters():
-            parameter.uniform_(-bound, bound)
-    return model
-
+from resformer_hf import VALUE_RESIDUAL_VARIANTS  # noqa: E402
 
 @pytest.fixture(params=VALUE_RESIDUAL_VARIANTS)
 def variant(request) -> str:

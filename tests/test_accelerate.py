@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_example import VOCAB_SIZE, main, tiny_model
+from helpers import VOCAB_SIZE, build_model
 from transformers import AutoModelForCausalLM
 
-EXAMPLE = Path(__file__).with_name("finetune_example.py")
+from resformer_hf.examples import finetune
+
 
 
 def nbytes(module: torch.nn.Module) -> int:
@@ -31,7 +32,7 @@ def nbytes(module: torch.nn.Module) -> int:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A 4-layer model with trained-looking λ (non-zero offsets), saved as safetensors."""
-    model = tiny_model(hidden_size=64, intermediate_size=128, num_hidden_layers=4).eval()
+    model = build_model(hidden_size=64, intermediate_size=128, num_hidden_layers=4).eval()
     with torch.no_grad():
         for parameter in model.model.value_residual.parameters():
             parameter.copy_(0.3 * torch.randn_like(parameter))
@@ -114,14 +115,15 @@ def test_data_parallel_trainer_matches_a_single_process(tmp_path):
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(free_port()),
-        str(EXAMPLE), "--output-dir", str(tmp_path / "dp"), "--max-steps", "6", "--batch-size", "2",
+        "-m", "resformer_hf.examples.finetune",
+        "--output-dir", str(tmp_path / "dp"), "--max-steps", "6", "--batch-size", "2",
     ]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     parallel = json.loads((tmp_path / "dp" / "losses.json").read_text())
 
-    main(["--output-dir", str(tmp_path / "single"), "--max-steps", "6", "--batch-size", "4"])
+    finetune.main(["--output-dir", str(tmp_path / "single"), "--max-steps", "6", "--batch-size", "4"])
     single = json.loads((tmp_path / "single" / "losses.json").read_text())
 
     assert parallel["world_size"] == 2 and single["world_size"] == 1

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, tiny_config
+from helpers import TINY, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM

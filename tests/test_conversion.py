@@ -29,10 +29,9 @@ from transformers import (
 from resformer_hf import ConversionError, ResFormerForCausalLM, convert_llama_checkpoint
 from resformer_hf.convert_cli import main as cli_main
 from resformer_hf.registration import full_auto_map
+from resformer_hf.text import sample_text
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_TOKENIZER = REPO.parent / "shared" / "data" / "tokenizers" / "llama2_layout_sp32000.model"
-SHARED_CORPUS = REPO.parent / "shared" / "data" / "corpus" / "shakespeare.txt"
 
 SMALL = dict(
     vocab_size=160,
@@ -196,20 +195,26 @@ def test_sharded_output_keeps_layout_and_copies_side_files(sources, tmp_path):
     assert config["value_residual_lambda_first"] == 0.0 and config["value_residual_lambda_self"] == 1.0
 
 
-@pytest.mark.skipif(not SHARED_TOKENIZER.exists(), reason="shared tokenizer not present")
-def test_shared_tokenizer_checkpoint(tmp_path):
-    """A Llama-2-layout checkpoint (vocab 32000) with its SentencePiece tokenizer, on real English text."""
+def test_sentencepiece_tokenizer_checkpoint(tmp_path):
+    """A checkpoint with a Llama-2-layout SentencePiece `tokenizer.model` (unk/bos/eos = 0/1/2, byte fallback),
+    trained here on the bundled English sample: the tokenizer is copied byte for byte and the logits are preserved on
+    real text."""
     import sentencepiece
 
+    text = sample_text(60_000)
+    model_file = tmp_path / "sp"
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.splitlines()), model_prefix=str(model_file), vocab_size=600, model_type="bpe",
+        byte_fallback=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    )
     src = tmp_path / "src"
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**{**SMALL, "vocab_size": 32000})).save_pretrained(src)
-    shutil.copyfile(SHARED_TOKENIZER, src / "tokenizer.model")
+    LlamaForCausalLM(LlamaConfig(**{**SMALL, "vocab_size": 600})).save_pretrained(src)
+    shutil.copyfile(f"{model_file}.model", src / "tokenizer.model")
     dst = tmp_path / "dst"
     convert_llama_checkpoint(src, dst, variant="learnable_plus", progress=False)
-    assert (dst / "tokenizer.model").read_bytes() == SHARED_TOKENIZER.read_bytes()
-    text = SHARED_CORPUS.read_text()[:400] if SHARED_CORPUS.exists() else "To be, or not to be, that is the question"
-    tokens = sentencepiece.SentencePieceProcessor(model_file=str(dst / "tokenizer.model")).encode(text)[:24]
+    assert (dst / "tokenizer.model").read_bytes() == (src / "tokenizer.model").read_bytes()
+    tokens = sentencepiece.SentencePieceProcessor(model_file=str(dst / "tokenizer.model")).encode(text[:400])[:24]
     ids = torch.tensor([tokens, tokens[::-1]])
     assert (logits_of(dst, ids) - logits_of(src, ids)).abs().max().item() <= 1e-5
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from resformer_hf import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
-from conftest import TINY, tiny_config
+from helpers import TINY, tiny_config
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
-from conftest import TINY, model_with_random_lambdas, tiny_config
+from helpers import TINY, model_with_random_lambdas, tiny_config
 from reference import reference_logits
 
 # Non-default λ for every variant that takes them, so the reference checks the fields are really read.

@@ -17,7 +17,7 @@ from huggingface_hub import ModelCard
 from resformer_hf import ResFormerForCausalLM
 from resformer_hf.model_card import TEMPLATE_NAME, build_model_card, write_model_card
 
-from conftest import tiny_config
+from helpers import tiny_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| (\d+) \| (yes|no) \| (-?[\d.]+) \| (-?[\d.]+) \|$", re.MULTILINE)

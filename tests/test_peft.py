@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from finetune_example import block_dataset, build_tokenizer, english_text, step_losses, tiny_model, training_arguments
+from helpers import build_model, example_data, step_losses, training_arguments
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from safetensors import safe_open
@@ -20,9 +20,7 @@ from resformer_hf.value_residual import ValueResidual
 
 @pytest.fixture(scope="module")
 def data():
-    text = english_text()
-    tokenizer = build_tokenizer(text)
-    dataset = block_dataset(tokenizer, text)
+    tokenizer, dataset = example_data()
     held_out = len(dataset) - 16  # the last blocks: never trained on; for logits and the held-out loss
     return tokenizer, dataset.select(range(held_out)), torch.tensor(dataset[held_out:]["input_ids"])
 
@@ -73,7 +71,7 @@ def test_every_peft_table_that_knows_llama_knows_resformer():
 @pytest.mark.parametrize("variant", ["learnable_plus", "svformer"])
 def test_lora_default_target_modules_are_llamas(variant):
     assert TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING["resformer"] == ["q_proj", "v_proj"]
-    model = tiny_model(value_residual=variant)
+    model = build_model(value_residual=variant)
     reference = get_peft_model(llama_twin(model), LoraConfig(task_type="CAUSAL_LM"))
     expected = adapted_module_names(reference, "lora_A")
     if variant == "svformer":  # layers n >= 1 have no v_proj: they reuse layer 0's values
@@ -84,7 +82,7 @@ def test_lora_default_target_modules_are_llamas(variant):
 
 
 def test_other_peft_methods_get_llamas_defaults_too():
-    model = tiny_model()
+    model = build_model()
     reference = get_peft_model(llama_twin(model), IA3Config(task_type="CAUSAL_LM"))
     peft_model = get_peft_model(model, IA3Config(task_type="CAUSAL_LM"))
     expected = adapted_module_names(reference, "ia3_l")
@@ -92,7 +90,7 @@ def test_other_peft_methods_get_llamas_defaults_too():
 
 
 def test_lora_trains_saves_reloads_and_merges(data, tmp_path):
-    model = tiny_model(len(data[0]))
+    model = build_model(len(data[0]))
     model.save_pretrained(tmp_path / "base")
     probe = data[2]
     base_logits = logits(model, probe)
@@ -120,7 +118,7 @@ def test_lora_trains_saves_reloads_and_merges(data, tmp_path):
 
 
 def test_lambdas_train_with_lora_and_travel_with_the_adapter(data, tmp_path):
-    model = tiny_model(len(data[0]))
+    model = build_model(len(data[0]))
     model.save_pretrained(tmp_path / "base")
     probe = data[2]
     lambdas_before = model.value_residual_lambdas()

@@ -16,9 +16,9 @@ from huggingface_hub import HfApi, ModelCard, RepoUrl
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import quickstart
+from resformer_hf.text import sample_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = Path(quickstart.__file__).parent / "data" / quickstart.SAMPLE_NAME
 TINY_RUN = ["--batch-size", "4", "--block-size", "32", "--max-new-tokens", "5", "--vocab-size", "300"]
 
 
@@ -31,7 +31,7 @@ def _card_value(card: ModelCard, fact: str) -> str:
 @pytest.fixture(scope="module")
 def text_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "austen.txt"
-    path.write_text(SAMPLE.read_text(encoding="utf-8")[:60_000], encoding="utf-8")
+    path.write_text(sample_text(60_000), encoding="utf-8")
     return path
 
 

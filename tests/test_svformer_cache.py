@@ -8,7 +8,7 @@ import torch
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.cache_utils import DynamicLayer
 
-from conftest import TINY
+from helpers import TINY
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM, cache_nbytes
 from resformer_hf.cache_resformer import share_first_layer_values
 

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from finetune_example import block_dataset, build_tokenizer, english_text, step_losses, tiny_model, training_arguments
+from helpers import build_model, example_data, step_losses, training_arguments
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
 
 LR = 1e-2
@@ -37,9 +37,7 @@ class LambdaRecorder(TrainerCallback):
 
 @pytest.fixture(scope="module")
 def data():
-    text = english_text()
-    tokenizer = build_tokenizer(text)
-    return tokenizer, block_dataset(tokenizer, text)
+    return example_data()
 
 
 def run(data, output_dir, model=None, resume_from_checkpoint=None, compute_loss_func=None, **arguments):
@@ -47,7 +45,7 @@ def run(data, output_dir, model=None, resume_from_checkpoint=None, compute_loss_
     tokenizer, dataset = data
     recorder = LambdaRecorder()
     trainer = Trainer(
-        model=model if model is not None else tiny_model(len(tokenizer)),
+        model=model if model is not None else build_model(len(tokenizer)),
         args=training_arguments(output_dir, **{"learning_rate": LR, "weight_decay": 0.1, **arguments}),
         train_dataset=dataset,
         data_collator=default_data_collator,
@@ -90,7 +88,7 @@ def test_save_steps_write_loadable_safetensors_checkpoints(reference):
 
 def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(data, reference, tmp_path):
     output_dir, losses, lambdas, state = reference
-    other_init = tiny_model(len(data[0]), seed=1)  # only the checkpoint's weights can reproduce the reference
+    other_init = build_model(len(data[0]), seed=1)  # only the checkpoint's weights can reproduce the reference
     trainer, recorder = run(data, tmp_path, model=other_init, max_steps=STEPS,
                             resume_from_checkpoint=str(output_dir / f"checkpoint-{SAVE_STEPS}"))
     assert len(recorder.by_step) == 1 + STEPS - SAVE_STEPS  # it ran only the remaining steps
@@ -113,7 +111,7 @@ def test_gradient_accumulation_matches_the_full_batch(data, reference, tmp_path)
 
 def test_gradient_checkpointing_matches_the_plain_run(data, reference, tmp_path):
     _, losses, lambdas, _ = reference
-    model = tiny_model(len(data[0]))
+    model = build_model(len(data[0]))
     calls = []
     model.model.layers[1].self_attn.register_forward_pre_hook(lambda module, args: calls.append(module.training))
     trainer, recorder = run(data, tmp_path, model=model, max_steps=SAVE_STEPS, activation_checkpointing=True)
@@ -153,7 +151,7 @@ def decay_only_run(data, model, tmp_path):
 
 @pytest.mark.parametrize("variant", ["learnable_plus", "dense"])  # "learnable": the next test
 def test_weight_decay_leaves_lambdas_at_their_initial_values(data, tmp_path, variant):
-    model = tiny_model(len(data[0]), value_residual=variant)
+    model = build_model(len(data[0]), value_residual=variant)
     q_before = model.model.layers[1].self_attn.q_proj.weight.detach().clone()
     lambdas = decay_only_run(data, model, tmp_path)
     assert torch.equal(lambdas[-1], lambdas[0]), f"{variant}: λ moved from {lambdas[0]} to {lambdas[-1]}"
@@ -163,7 +161,7 @@ def test_weight_decay_leaves_lambdas_at_their_initial_values(data, tmp_path, var
 
 
 def test_weight_decay_pulls_trained_lambdas_toward_init_not_zero(data, tmp_path):
-    model = tiny_model(len(data[0]), value_residual="learnable")
+    model = build_model(len(data[0]), value_residual="learnable")
     value_residual = model.model.value_residual
     with torch.no_grad():
         value_residual.lambda_self_offset.fill_(-0.3)  # as if training had lowered λ_self from 0.5 to 0.2
@@ -175,7 +173,7 @@ def test_weight_decay_pulls_trained_lambdas_toward_init_not_zero(data, tmp_path)
 
 def test_plain_parameterised_lambdas_would_have_decayed(data, tmp_path):
     """Control: the same run with the initial values folded into the parameters drags λ toward zero."""
-    model = tiny_model(len(data[0]), value_residual="learnable_plus")
+    model = build_model(len(data[0]), value_residual="learnable_plus")
     value_residual = model.model.value_residual
     before = model.value_residual_lambdas()
     with torch.no_grad():
