@@ -248,8 +248,8 @@ class ResFormerPreTrainedModel(PreTrainedModel):
             raise ValueError(
                 f"Variant mismatch: the model is value_residual={config.value_residual!r}, but the checkpoint has no "
                 f"v_proj weights for layers {absent} while their other projections are there, so it was trained "
-                f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names instead "
-                "of random-initialising those projections."
+                f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names "
+                "instead of random-initialising those projections."
             )
         self._check_lambdas_are_finite()
 
