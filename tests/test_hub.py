@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerFast
 import resformer_hf
 from resformer_hf import ResFormerForCausalLM, ResFormerForSequenceClassification
 from resformer_hf import hub as resformer_hub
+
 from helpers import tiny_config
 
 PACKAGE_DIR = Path(resformer_hf.__file__).parent

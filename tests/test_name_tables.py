@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from helpers import llama_pair, model_with_random_lambdas, tiny_config, training_arguments
 from transformers import Trainer
 from transformers.modelcard import TrainingSummary
 from transformers.models.auto import modeling_auto
 
 import resformer_hf
 from resformer_hf.modeling_resformer import MODEL_TYPE_NAME_TABLES, register_model_type_names
+
+from helpers import llama_pair, model_with_random_lambdas, tiny_config, training_arguments
 
 
 def tables_listing_llama() -> dict[str, dict]:

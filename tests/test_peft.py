@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from helpers import build_model, example_data, llama_pair, run_fresh_python, step_losses, training_arguments
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from safetensors import safe_open
@@ -18,6 +17,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Tr
 
 from resformer_hf import LAMBDA_MODULES, ResFormerForCausalLM, register_peft_target_modules
 from resformer_hf.value_residual import ValueResidual
+
+from helpers import build_model, example_data, llama_pair, run_fresh_python, step_losses, training_arguments
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import llama_pair, tiny_config
 
 from resformer_hf import ResFormerForCausalLM, cache_nbytes
+
+from helpers import llama_pair, tiny_config
 
 PROMPT, NEW_TOKENS, GROUP, RESIDUAL = 40, 8, 64, 16
 BACKEND_MODULES = {"quanto": "optimum.quanto", "hqq": "hqq"}

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import transformers
-from helpers import run_fresh_python, tiny_config
-from pypi_cache import FetchError, pip_target
 
 import resformer_hf
 from resformer_hf import ResFormerForCausalLM
 from resformer_hf.configuration_resformer import MIN_TRANSFORMERS_VERSION
+
+from helpers import run_fresh_python, tiny_config
+from pypi_cache import FetchError, pip_target
 
 CONFIG_FILE = Path(resformer_hf.__file__).parent / "configuration_resformer.py"
 REPO = Path(__file__).resolve().parents[1]
