@@ -114,6 +114,37 @@ def run_fresh_python(
     return json.loads(result.stdout.rpartition("REPORT ")[2])
 
 
+#: Checkpoint folders `client_checkpoints` writes: the source Llama, and ResFormers made from it.
+CLIENT_FOLDERS = ("llama", "resformer_preserve", "learnable_plus", "svformer", "dense")
+
+
+def client_checkpoints(root: Path) -> dict[str, Path]:
+    """Folders (weights + tokenizer) that client-library tests load as a user would: a small random Llama
+    ("llama"), its conversion that computes the same function ("resformer_preserve": `learnable_plus`,
+    `init="preserve"`), conversions with the paper's λ ("learnable_plus", "svformer"), and a `dense` ResFormer
+    (not convertible) with the Llama's weights and random λ."""
+    from resformer_hf import convert_llama_checkpoint
+    from resformer_hf.text import sample_text, train_tokenizer
+
+    tokenizer = train_tokenizer([sample_text(TEXT_CHARS)], VOCAB_SIZE)
+    ids = {name: tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{name}_token")) for name in ("pad", "bos", "eos")}
+    shape = {**TINY, "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 256,
+             **{f"{name}_token_id": value for name, value in ids.items()}}
+    folders = {name: Path(root) / name for name in CLIENT_FOLDERS}
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    llama.save_pretrained(folders["llama"])
+    tokenizer.save_pretrained(folders["llama"])
+    convert_llama_checkpoint(folders["llama"], folders["resformer_preserve"], variant="learnable_plus", progress=False)
+    for variant in ("learnable_plus", "svformer"):
+        convert_llama_checkpoint(folders["llama"], folders[variant], variant=variant, init="paper", progress=False)
+    dense = model_with_random_lambdas(ResFormerConfig(**shape, value_residual="dense"))
+    dense.load_state_dict(llama.state_dict(), strict=False)
+    dense.save_pretrained(folders["dense"])
+    tokenizer.save_pretrained(folders["dense"])
+    return folders
+
+
 def example_data():
     """(tokenizer, block dataset) of the fine-tuning example: the same text, tokenizer and blocks it trains on."""
     text = sample_text(TEXT_CHARS)
@@ -128,10 +159,12 @@ def step_losses(trainer: Trainer) -> list[float]:
 
 __all__ = [
     "BLOCK_MODULES",
+    "CLIENT_FOLDERS",
     "BLOCK_SIZE",
     "TINY",
     "VOCAB_SIZE",
     "build_model",
+    "client_checkpoints",
     "example_data",
     "llama_config_like",
     "llama_pair",
