@@ -127,9 +127,9 @@ def client_checkpoints(root: Path) -> dict[str, Path]:
     from resformer_hf.text import sample_text, train_tokenizer
 
     tokenizer = train_tokenizer([sample_text(TEXT_CHARS)], VOCAB_SIZE)
-    ids = {name: tokenizer.convert_tokens_to_ids(getattr(tokenizer, f"{name}_token")) for name in ("pad", "bos", "eos")}
-    shape = {**TINY, "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 256,
-             **{f"{name}_token_id": value for name, value in ids.items()}}
+    special = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("pad", "bos", "eos")}
+    shape = {**TINY, **special, "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+             "max_position_embeddings": 256}
     folders = {name: Path(root) / name for name in CLIENT_FOLDERS}
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(**shape)).eval()
