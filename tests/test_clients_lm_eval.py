@@ -31,7 +31,7 @@ def evaluate(folder, docs_path) -> list[dict]:
     results = lm_eval.simple_evaluate(
         model="hf", model_args={"pretrained": str(folder), "device": "cpu", "dtype": "float32"}, tasks=[task],
         batch_size=8, log_samples=True, bootstrap_iters=0,
-        task_manager=TaskManager(include_defaults=False),  # indexing lm-eval's thousands of built-in tasks takes minutes
+        task_manager=TaskManager(include_defaults=False),  # indexing the thousands of built-in tasks takes minutes
     )
     return results["samples"]["resformer_toy_choice"]
 
