@@ -17,6 +17,7 @@ import tarfile
 from pathlib import Path
 
 import transformers
+
 from pypi_cache import cached, pip_sdist
 
 PACKAGE = "transformers_tests"
