@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
@@ -42,7 +43,24 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, VARIANTS, ResFormerConfig
-from .value_residual import ValueResidual, mix_values, neutreno_correction
+from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, mix_values, neutreno_correction
+
+try:  # transformers' pipeline stages put this placeholder where a layer lives on another stage
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+except ImportError:
+    PipelineIdentityLayer = ()
+
+# Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
+register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
+
+PIPELINE_PARALLEL_UNSUPPORTED = (
+    "ResFormer does not support pipeline parallelism (pp_size > 1): every layer n >= 1 mixes in layer 0's values V_0 "
+    "(value_residual='dense': every earlier layer's values), which travel from layer to layer next to the hidden "
+    "states, but transformers' pipeline stages hand only the hidden states to the next stage, so later stages would "
+    "never see V_0. Use tensor parallelism (DistributedConfig(tp_size=N)) and/or FSDP2 (DistributedConfig("
+    "fsdp_size=N)) to spread the model over devices, or device_map='auto' to split its layers across the devices of "
+    "one process."
+)
 
 
 class ResFormerAttention(LlamaAttention):
@@ -216,9 +234,29 @@ class ResFormerPreTrainedModel(PreTrainedModel):
 
         Row 0 and layers that do not receive V_0 are (0, 1); `svformer` rows n >= 1 are (1, 0); `dense` gives the
         weights on V_0 and on the layer's own value; `neutreno` gives (λ, 1 - λ), the mix its correction term
-        `λ(V_0 - V_n)` would make of a token's own values.
+        `λ(V_0 - V_n)` would make of a token's own values. On a model sharded by FSDP2 or DeepSpeed ZeRO-3 the λ
+        are gathered first, so every rank must call it.
         """
         return self.base_model.value_residual.lambda_table()
+
+    @classmethod
+    def prepare_distribute_model(cls, distributed_config, device_map=None):
+        """Refuse pipeline parallelism before anything is built (see `PIPELINE_PARALLEL_UNSUPPORTED`)."""
+        pp_size = distributed_config.get("pp_size") if isinstance(distributed_config, dict) else None
+        if distributed_config is not None and not isinstance(distributed_config, dict):
+            pp_size = distributed_config.pp_size
+        if pp_size is not None and pp_size > 1:
+            raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)
+        return super().prepare_distribute_model(distributed_config, device_map=device_map)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision` (see
+        `_gather_in_float32`)."""
+        model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
+            _gather_in_float32(model.base_model.value_residual)
+        return model
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """Refuse a checkpoint of the other value-projection layout instead of dropping or random-initialising v_proj.
@@ -316,6 +354,9 @@ class ResFormerModel(ResFormerPreTrainedModel):
             position_ids=position_ids,
         )
 
+        if isinstance(self.layers[0], PipelineIdentityLayer) or isinstance(self.norm, PipelineIdentityLayer):
+            raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)  # split by transformers' pipeline stages
+
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         value_weights = self.value_residual()
@@ -367,6 +408,25 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
         user_defined = getattr(cache, "_is_user_defined", False)
         if self.config.layers_without_value_projection and cache is not None and not user_defined:
             share_first_layer_values(cache)
+
+
+def _gather_in_float32(value_residual: nn.Module) -> None:
+    """Switch the FSDP2 group of the λ (their own group, `base_model_fsdp_plan`) to gather them in float32.
+
+    transformers' `fsdp_mixed_precision` gives every group one bfloat16 policy, though the λ are meant to stay
+    float32 (`_keep_in_fp32_modules_strict`), as the torch recipe `fully_shard(value_residual,
+    mp_policy=MixedPrecisionPolicy())` keeps them. FSDP2 has no public setter for a group's policy; it reads it at the
+    first forward, so setting it here, before that, is enough.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    group = fully_shard.state(value_residual)._fsdp_param_group
+    if group is None:  # fixed λ: no parameters to gather
+        return
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    fully_shard.state(value_residual)._mp_policy = group.mp_policy = policy
+    for parameter in group.fsdp_params:
+        parameter.mp_policy = policy
 
 
 _PROJECTION_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.")
