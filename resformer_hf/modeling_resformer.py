@@ -49,6 +49,11 @@ try:  # transformers' pipeline stages put this placeholder where a layer lives o
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 except ImportError:
     PipelineIdentityLayer = ()
+if torch.distributed.is_available():
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+else:  # no torch.distributed, no tensor parallelism
+    TensorParallelLayer = object
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
@@ -408,6 +413,41 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
         user_defined = getattr(cache, "_is_user_defined", False)
         if self.config.layers_without_value_projection and cache is not None and not user_defined:
             share_first_layer_values(cache)
+
+
+class _SumGradientOverRanks(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the process group."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ValueResidualTensorParallel(TensorParallelLayer):
+    """Tensor-parallel style of the λ module (`"value_residual_weights"`): replicated λ, summed weight gradients.
+
+    Every rank holds all λ, but mixes values only on its own kv heads, so its gradient of the mixing weights is its
+    heads' share. The shares are summed over the ranks in backward, before they reach the λ: every rank then gets the
+    complete λ gradient, and micro-batches accumulate correctly. (transformers' `replicated_with_grad_allreduce`
+    all-reduces each parameter's accumulated `.grad` after every backward pass instead, which adds the earlier
+    micro-batches' already-summed gradients again under gradient accumulation.)
+    """
+
+    def transform_output_post_forward(self, module, output, mesh):
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            return output
+        return _SumGradientOverRanks.apply(output, mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp"))
+
+
+if torch.distributed.is_available():
+    ALL_PARALLEL_STYLES.register("value_residual_weights", ValueResidualTensorParallel())
 
 
 def _gather_in_float32(value_residual: nn.Module) -> None:

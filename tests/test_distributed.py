@@ -65,7 +65,8 @@ def test_old_checkpoints_with_a_scalar_lambda_scale_load_to_the_same_values(old_
     torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
 
     loaded.save_pretrained(tmp_path / "resaved")  # written in the new layout
-    assert load_file(tmp_path / "resaved" / "model.safetensors")["model.value_residual.lambda_scale_offset"].shape == (1,)
+    resaved = load_file(tmp_path / "resaved" / "model.safetensors")
+    assert resaved["model.value_residual.lambda_scale_offset"].shape == (1,)
 
     by_torch = resformer_hf.ResFormerForCausalLM(model.config)  # torch's load_state_dict (Trainer resume, PEFT)
     by_torch.load_state_dict(load_file(folder / "model.safetensors"))
@@ -116,11 +117,9 @@ def test_bfloat16_lambda_copies_give_float32_mixing_weights_from_rounded_offsets
 # ---- two processes -------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
+def write_data(folder: Path) -> Path:
     """Checkpoints (GQA, and `-mha` with as many kv heads as query heads) with λ away from their initial values, and
     the global batch. `learnable_plus` is saved in the old layout (0-dim λ_scale)."""
-    folder = tmp_path_factory.mktemp("distributed")
     for suffix, overrides in (("", {}), ("-mha", {"num_key_value_heads": TINY["num_attention_heads"]})):
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).save_pretrained(folder / f"llama{suffix}")
@@ -134,41 +133,72 @@ def data(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def reference(data) -> dict:
+def single_process_records(folder: Path) -> dict:
     """One process, whole batch: the training record of every checkpoint, its mixing weights and its logits."""
-    batch = torch.tensor(json.loads((data / "batch.json").read_text()))
+    batch = torch.tensor(json.loads((folder / "batch.json").read_text()))
     expected = {}
-    for folder in sorted(path for path in data.iterdir() if path.is_dir()):
-        model = AutoModelForCausalLM.from_pretrained(folder)
+    for checkpoint in sorted(path for path in folder.iterdir() if path.is_dir()):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint)
         value_residual = getattr(model.base_model, "value_residual", None)
         with torch.no_grad():
             extra = {"logits": model(input_ids=batch).logits.tolist()}
             if value_residual is not None:
                 extra["weights"] = value_residual().tolist()
-        expected[folder.name] = {**train(Engine(model), batch), **extra}
+        expected[checkpoint.name] = {**train(Engine(model), batch), **extra}
     return expected
 
 
-def launch(worker: str, data: Path, tmp_path_factory, **environment) -> dict:
-    out = tmp_path_factory.mktemp(worker) / "results.json"
+def launch(worker: str, data: Path, out: Path, **environment) -> tuple[dict, str]:
+    """Run a worker on 2 processes; its results by check, and an error text if it did not exit cleanly."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(WORKERS / worker), str(data), str(out)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **environment}
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return json.loads(out.read_text())
+    failure = "" if result.returncode == 0 else result.stdout[-3000:] + result.stderr[-6000:]
+    return (json.loads(out.read_text()) if out.exists() else {}), failure
 
 
 @pytest.fixture(scope="module")
-def torch_engines(data, tmp_path_factory) -> dict:
-    return launch("torch_engines.py", data, tmp_path_factory)
+def data(tmp_path_factory) -> Path:
+    return write_data(tmp_path_factory.mktemp("distributed"))
 
 
 @pytest.fixture(scope="module")
-def deepspeed_engines(data, tmp_path_factory) -> dict:
+def reference(data) -> dict:
+    return single_process_records(data)
+
+
+@pytest.fixture(scope="module")
+def torch_launch(data, tmp_path_factory) -> tuple[dict, str]:
+    return launch("torch_engines.py", data, tmp_path_factory.mktemp("torch") / "results.json")
+
+
+@pytest.fixture(scope="module")
+def deepspeed_launch(data, tmp_path_factory) -> tuple[dict, str]:
     pytest.importorskip("deepspeed", reason="DeepSpeed is the optional extra `distributed`")
-    return launch("deepspeed_engines.py", data, tmp_path_factory, DS_ACCELERATOR="cpu")
+    return launch("deepspeed_engines.py", data, tmp_path_factory.mktemp("ds") / "results.json", DS_ACCELERATOR="cpu")
+
+
+class Results(dict):
+    def __missing__(self, check: str) -> dict:
+        return {"error": f"{check} never ran: the worker stopped before it"}
+
+
+@pytest.fixture(scope="module")
+def torch_engines(torch_launch) -> Results:
+    return Results(torch_launch[0])
+
+
+@pytest.fixture(scope="module")
+def deepspeed_engines(deepspeed_launch) -> Results:
+    return Results(deepspeed_launch[0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launched", ["torch_launch", "deepspeed_launch"])
+def test_workers_exit_cleanly(launched, request):
+    results, failure = request.getfixturevalue(launched)
+    assert results and not failure, failure
 
 
 def max_deltas(run: dict, expected: dict) -> dict[str, float]:
@@ -179,9 +209,9 @@ def max_deltas(run: dict, expected: dict) -> dict[str, float]:
         if key not in run:
             continue
         got, want = run[key], expected[key]
-        if isinstance(want, dict):
+        if isinstance(want, dict):  # λ by parameter name
             assert sorted(got) == sorted(want), key
-            got, want = [x for name in sorted(got) for x in got[name]], [x for name in sorted(want) for x in want[name]]
+            got, want = ([x for name in sorted(values) for x in values[name]] for values in (got, want))
         if want is None:
             assert got is None, key
             continue
@@ -209,11 +239,12 @@ def test_fsdp2_matches_one_process(torch_engines, reference, engine, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heads", ["gqa", "mha"])
+@pytest.mark.parametrize("check", ["tp_gqa", "tp_mha", "tp_accumulating"])
 @pytest.mark.parametrize("name", MODELS)
-def test_tensor_parallel_matches_one_process_and_every_rank_agrees(torch_engines, reference, heads, name):
-    run = torch_engines[f"tp_{heads}/{name}"]
-    assert_matches(run, reference[name if heads == "gqa" else f"{name}-mha"], name)
+def test_tensor_parallel_matches_one_process_and_every_rank_agrees(torch_engines, reference, check, name):
+    """GQA and MHA (`-mha` checkpoints), and gradient accumulation (two micro-batches, two backward passes a step)."""
+    run = torch_engines[f"{check}/{name}"]
+    assert_matches(run, reference[f"{name}-mha" if check == "tp_mha" else name], name)
     assert run["spread"] == 0.0  # λ gradients and values identical on both ranks (all-reduced, not per-head shares)
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -91,7 +93,16 @@ def train(engine: Engine, batch: torch.Tensor) -> dict:
     return record
 
 
-def write_results(results: dict, path: str | Path) -> None:
-    """Rank 0 writes the JSON the parent test reads."""
+def attempt(results: dict, key: str, function: Callable[[], dict], out: str | Path) -> None:
+    """Run one check and record what it returned, or the exception (type, message, traceback) it raised, so that one
+    failing check does not hide the others. Rank 0 rewrites `out` after every check: the JSON the parent test reads
+    survives a later check that breaks the process group. `CHECKS=prefix,...` runs only the checks named so (when
+    debugging a worker by hand)."""
+    if not key.startswith(tuple(os.environ.get("CHECKS", "").split(","))):
+        return
+    try:
+        results[key] = function()
+    except Exception as error:  # noqa: BLE001  (the parent test asserts on what happened)
+        results[key] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
     if int(os.environ.get("RANK", 0)) == 0:
-        Path(path).write_text(json.dumps(results, indent=1))
+        Path(out).write_text(json.dumps(results, indent=1))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import traceback
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import deepspeed
@@ -24,11 +24,11 @@ from common import (
     MODELS,
     STEPS,
     Engine,
+    attempt,
     lambda_parameters,
     lambda_table,
     load_batch,
     train,
-    write_results,
 )
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
@@ -37,6 +37,14 @@ from transformers.integrations import HfDeepSpeedConfig
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
 MICRO_BATCH = 2
+#: The ZeRO-3 config of the README's Trainer recipe ("auto": filled in from `TrainingArguments`).
+TRAINER_ZERO3_CONFIG = {
+    "zero_optimization": {"stage": 3},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+}
 
 
 def deepspeed_config(stage: int, bf16: bool = False) -> dict:
@@ -110,7 +118,7 @@ def trainer_zero3(path: Path, batch: torch.Tensor) -> dict:
     """The stock Trainer with a ZeRO-3 config: per-step losses (averaged over ranks), λ and λ table after."""
     with tempfile.TemporaryDirectory() as output_dir:
         arguments = TrainingArguments(
-            output_dir=output_dir, deepspeed={**deepspeed_config(3), "train_micro_batch_size_per_gpu": "auto"},
+            output_dir=output_dir, deepspeed=TRAINER_ZERO3_CONFIG,
             per_device_train_batch_size=MICRO_BATCH, learning_rate=LEARNING_RATE, weight_decay=0.0,
             max_grad_norm=0.0,
             lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1, save_strategy="no", report_to="none",
@@ -153,16 +161,6 @@ def mixing_weights_in_bf16(path: Path, batch: torch.Tensor, stage: int) -> dict:
     }
 
 
-def attempt(results: dict, key: str, function) -> None:
-    """Run one check; an exception is recorded (type and message) instead of stopping the other checks."""
-    if not key.startswith(tuple(os.environ.get("CHECKS", "").split(","))):
-        return
-    try:
-        results[key] = function()
-    except Exception as error:  # noqa: BLE001  (the parent test asserts on what happened)
-        results[key] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
-
-
 def main(data_dir: str, out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     deepspeed_state_on_cpu()
@@ -171,13 +169,16 @@ def main(data_dir: str, out: str) -> None:
     results: dict = {}
     for name in MODELS:
         path = data / name
-        attempt(results, f"zero2/{name}", lambda: zero(path, batch, stage=2))
-        attempt(results, f"zero3/{name}", lambda: zero(path, batch, stage=3))
-        attempt(results, f"trainer_zero3/{name}", lambda: trainer_zero3(path, batch))
+        checks = {
+            "zero2": partial(zero, path, batch, stage=2),
+            "zero3": partial(zero, path, batch, stage=3),
+            "trainer_zero3": partial(trainer_zero3, path, batch),
+        }
         if name != "llama":
-            for stage in (2, 3):
-                attempt(results, f"zero{stage}_bf16/{name}", lambda: mixing_weights_in_bf16(path, batch, stage))
-    write_results(results, out)
+            checks["zero2_bf16"] = partial(mixing_weights_in_bf16, path, batch, stage=2)
+            checks["zero3_bf16"] = partial(mixing_weights_in_bf16, path, batch, stage=3)
+        for check, function in checks.items():
+            attempt(results, f"{check}/{name}", function, out)
     dist.barrier()
 
 
