@@ -38,6 +38,8 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring
+
+# Internal transformers utilities (not public API), used exactly as modeling_llama.py 5.23 uses them.
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -246,10 +248,15 @@ class ResFormerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def prepare_distribute_model(cls, distributed_config, device_map=None):
-        """Refuse pipeline parallelism before anything is built (see `PIPELINE_PARALLEL_UNSUPPORTED`)."""
-        pp_size = distributed_config.get("pp_size") if isinstance(distributed_config, dict) else None
-        if distributed_config is not None and not isinstance(distributed_config, dict):
-            pp_size = distributed_config.pp_size
+        """Refuse pipeline parallelism before anything is built (see `PIPELINE_PARALLEL_UNSUPPORTED`).
+
+        A transformers hook (`DistributedMixin`): 5.23's `from_pretrained` calls it with `distributed_config` (a
+        `DistributedConfig` or a dict) before it builds the device mesh and the model.
+        """
+        if isinstance(distributed_config, dict):
+            pp_size = distributed_config.get("pp_size")
+        else:
+            pp_size = getattr(distributed_config, "pp_size", None)
         if pp_size is not None and pp_size > 1:
             raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)
         return super().prepare_distribute_model(distributed_config, device_map=device_map)
@@ -257,7 +264,8 @@ class ResFormerPreTrainedModel(PreTrainedModel):
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision` (see
-        `_gather_in_float32`)."""
+        `_gather_in_float32`). A transformers hook (`DistributedMixin`): 5.23's `from_pretrained` calls it once the
+        model is built (on the meta device), before the weights are loaded."""
         model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
         if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
             _gather_in_float32(model.base_model.value_residual)
@@ -265,6 +273,9 @@ class ResFormerPreTrainedModel(PreTrainedModel):
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """Refuse a checkpoint of the other value-projection layout instead of dropping or random-initialising v_proj.
+
+        A private transformers hook: 5.23's `PreTrainedModel._finalize_model_loading` calls it once the weights are
+        loaded and missing ones initialised, which is when both checks here can be made.
 
         SVFormer layers n >= 1 have no `v_proj`; every other variant has one. A mismatch means the checkpoint was
         trained as a different variant than the config says.
@@ -291,8 +302,8 @@ class ResFormerPreTrainedModel(PreTrainedModel):
             raise ValueError(
                 f"Variant mismatch: the model is value_residual={config.value_residual!r}, but the checkpoint has no "
                 f"v_proj weights for layers {absent} while their other projections are there, so it was trained "
-                f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names instead "
-                "of random-initialising those projections."
+                f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names "
+                "instead of random-initialising those projections."
             )
         self._check_lambdas_are_finite()
 
@@ -407,7 +418,7 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate()`'s own cache (dynamic, static, ...), with values stored once for SVFormer; a cache the user
-        passed in is left as it is."""
+        passed in is left as it is. A private `GenerationMixin` hook of transformers 5.23."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("past_key_values")
         user_defined = getattr(cache, "_is_user_defined", False)
@@ -455,8 +466,9 @@ def _gather_in_float32(value_residual: nn.Module) -> None:
 
     transformers' `fsdp_mixed_precision` gives every group one bfloat16 policy, though the λ are meant to stay
     float32 (`_keep_in_fp32_modules_strict`), as the torch recipe `fully_shard(value_residual,
-    mp_policy=MixedPrecisionPolicy())` keeps them. FSDP2 has no public setter for a group's policy; it reads it at the
-    first forward, so setting it here, before that, is enough.
+    mp_policy=MixedPrecisionPolicy())` keeps them. FSDP2 has no public setter for a group's policy, so this sets the
+    private attributes torch 2.13's FSDP2 reads it from (`FSDPState._mp_policy`, `FSDPParamGroup.mp_policy`,
+    `FSDPParam.mp_policy`); the group reads them at its first forward, which is after this.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -234,6 +234,7 @@ def neutreno_correction(
     first_values: torch.Tensor, own_values: torch.Tensor, weights: torch.Tensor, num_key_value_groups: int
 ) -> torch.Tensor:
     """NeuTRENO's per-token term `λ(V_0 − V_n)`, repeated to the query heads and laid out like attention output
-    ([B, T, H_q, D]) so it can be added to `A_n V_n` before `o_proj`. λ is `weights[0]` (row n of `ValueResidual()`)."""
+    ([B, T, H_q, D]) so it can be added to `A_n V_n` before `o_proj`. λ is `weights[0]` (row n of
+    `ValueResidual()`)."""
     difference = repeat_kv(first_values - own_values, num_key_value_groups)
     return (difference * weights[0].to(difference.dtype)).transpose(1, 2)

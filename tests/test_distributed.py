@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, model_with_random_lambdas, save_with_scalar_lambda_scale, tiny_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.distributed import DistributedConfig
@@ -27,6 +26,8 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 import resformer_hf
 from resformer_hf.modeling_resformer import PIPELINE_PARALLEL_UNSUPPORTED
+
+from helpers import TINY, model_with_random_lambdas, save_with_scalar_lambda_scale, tiny_config
 
 WORKERS = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(WORKERS))

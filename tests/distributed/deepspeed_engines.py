@@ -19,6 +19,12 @@ import torch
 import torch.distributed as dist
 from accelerate import PartialState
 from accelerate.state import AcceleratorState
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers.integrations import HfDeepSpeedConfig
+
+import resformer_hf  # noqa: F401  (registers the Auto classes)
+
 from common import (
     LEARNING_RATE,
     MODELS,
@@ -30,11 +36,6 @@ from common import (
     load_batch,
     train,
 )
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
-from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-from transformers.integrations import HfDeepSpeedConfig
-
-import resformer_hf  # noqa: F401  (registers the Auto classes)
 
 MICRO_BATCH = 2
 #: The ZeRO-3 config of the README's Trainer recipe ("auto": filled in from `TrainingArguments`).

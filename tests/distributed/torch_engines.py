@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from common import MODELS, Engine, attempt, lambda_parameters, load_batch, train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -24,6 +23,8 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
+
+from common import MODELS, Engine, attempt, lambda_parameters, load_batch, train
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
