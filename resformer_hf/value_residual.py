@@ -8,6 +8,7 @@ Imports only torch and transformers (copied for `trust_remote_code`).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -207,14 +208,14 @@ def gathered_parameters(module: nn.Module) -> Iterator[None]:
 
 
 def _zero3_gathered(parameters: list[nn.Parameter]):
-    """DeepSpeed's gather for ZeRO-3-partitioned parameters (they carry a `ds_id`), or a no-op when there are none."""
+    """DeepSpeed's gather for ZeRO-3-partitioned parameters (they carry a `ds_id`), or a no-op when there are none.
+
+    Parameters with a `ds_id` were partitioned by DeepSpeed, so it is already imported; it is looked up rather than
+    imported, since this file may import only torch and transformers (it is copied for `trust_remote_code`).
+    """
     if not parameters:
         return contextlib.nullcontext()
-    try:
-        import deepspeed
-    except ImportError as error:  # `ds_id` means DeepSpeed partitioned them, so it is installed
-        raise RuntimeError("These λ were partitioned by DeepSpeed ZeRO-3, but deepspeed cannot be imported") from error
-    return deepspeed.zero.GatheredParameters(parameters)
+    return sys.modules["deepspeed"].zero.GatheredParameters(parameters)
 
 
 def mix_values(own_values: torch.Tensor, residual_values: torch.Tensor, weights: torch.Tensor, layer_idx: int):
