@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 STEPS = 3
 LEARNING_RATE = 1e-2
@@ -69,6 +70,23 @@ class Engine:
     def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
         """This process's share of the global batch (data-parallel engines split it by rank)."""
         return batch
+
+
+class DataParallel(Engine):
+    """Sharded data parallel (FSDP2, ZeRO): each rank trains on its share of the global batch and the engine averages
+    the gradients; the reported loss is the mean over ranks, the global batch's loss."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.chunk(self.world_size)[self.rank]
+
+    def mean(self, value: torch.Tensor) -> float:
+        value = value.clone()
+        dist.all_reduce(value)
+        return value.item() / self.world_size
 
 
 def train(engine: Engine, batch: torch.Tensor) -> dict:

@@ -29,7 +29,7 @@ from common import (
     LEARNING_RATE,
     MODELS,
     STEPS,
-    Engine,
+    DataParallel,
     attempt,
     lambda_parameters,
     lambda_table,
@@ -59,17 +59,13 @@ def deepspeed_config(stage: int, bf16: bool = False) -> dict:
     }
 
 
-class ZeRO(Engine):
-    """`deepspeed.initialize` with torch's AdamW; each rank trains on its half of the batch."""
+class ZeRO(DataParallel):
+    """`deepspeed.initialize` with the reference's torch AdamW, which DeepSpeed wraps."""
 
     def __init__(self, model, config: dict):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        super().__init__(model)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config)
         self.model = self.engine.module
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-
-    def local_batch(self, batch):
-        return batch.chunk(self.world_size)[self.rank]
 
     def forward(self, input_ids):
         return self.engine(input_ids=input_ids, labels=input_ids).loss
@@ -86,21 +82,17 @@ class ZeRO(Engine):
     def full_grad(self, parameter):
         return safe_get_full_grad(parameter)
 
-    def mean(self, value):
-        value = value.clone()
-        dist.all_reduce(value)
-        return value.item() / self.world_size
 
-
-def load(path: Path, config: dict):
-    """`from_pretrained` as DeepSpeed users do: under ZeRO-3 the `HfDeepSpeedConfig` must be alive while it loads."""
-    keep_alive = HfDeepSpeedConfig(config)  # noqa: F841  (a weak reference tells transformers to use zero.Init)
+def load(path: Path, config: dict) -> tuple[torch.nn.Module, HfDeepSpeedConfig]:
+    """`from_pretrained` as DeepSpeed users do it. transformers holds only a weak reference to the `HfDeepSpeedConfig`
+    (under ZeRO-3 it makes `from_pretrained` load into partitions), so it is returned for the caller to keep."""
+    deepspeed_settings = HfDeepSpeedConfig(config)
     dtype = torch.bfloat16 if config["bf16"]["enabled"] else torch.float32
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), keep_alive
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), deepspeed_settings
 
 
 def zero(path: Path, batch: torch.Tensor, stage: int) -> dict:
-    model, keep_alive = load(path, deepspeed_config(stage))
+    model, _settings = load(path, deepspeed_config(stage))
     return train(ZeRO(model, deepspeed_config(stage)), batch)
 
 
@@ -121,7 +113,7 @@ def trainer_zero3(path: Path, batch: torch.Tensor) -> dict:
         arguments = TrainingArguments(
             output_dir=output_dir, deepspeed=TRAINER_ZERO3_CONFIG,
             per_device_train_batch_size=MICRO_BATCH, learning_rate=LEARNING_RATE, weight_decay=0.0,
-            max_grad_norm=0.0,
+            max_grad_norm=0.0,  # no clipping, as the reference
             lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1, save_strategy="no", report_to="none",
             seed=0, disable_tqdm=True, dataloader_num_workers=0, accelerator_config={"use_configured_state": True},
         )
@@ -145,7 +137,7 @@ def trainer_zero3(path: Path, batch: torch.Tensor) -> dict:
 def mixing_weights_in_bf16(path: Path, batch: torch.Tensor, stage: int) -> dict:
     """The value-mixing matrix the layers received in one bf16 forward pass, and the λ table, under ZeRO `stage`."""
     config = deepspeed_config(stage, bf16=True)
-    model, keep_alive = load(path, config)
+    model, _settings = load(path, config)
     engine = ZeRO(model, config)
     seen = {}
     module = engine.model.model.value_residual

@@ -24,33 +24,21 @@ from transformers.distributed import DistributedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
-from common import MODELS, Engine, attempt, lambda_parameters, load_batch, train
+from common import MODELS, DataParallel, Engine, attempt, lambda_parameters, load_batch, train
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-class DataParallel(Engine):
-    """FSDP2: each rank trains on its half of the batch; gradients are averaged by the engine."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-
-    def local_batch(self, batch):
-        return batch.chunk(self.world_size)[self.rank]
+class FullyShardedDataParallel(DataParallel):
+    """FSDP2: parameters and gradients are DTensor shards, gathered to read them."""
 
     def full(self, parameter):
         return full_tensor(parameter)
 
     def full_grad(self, parameter):
         return full_tensor(parameter.grad)
-
-    def mean(self, value):
-        value = value.clone()
-        dist.all_reduce(value)
-        return value.item() / self.world_size
 
 
 class TensorParallel(Engine):
@@ -138,12 +126,12 @@ def main(data_dir: str, out: str) -> None:
 
 
 def fsdp2_torch(path: Path, batch: torch.Tensor) -> dict:
-    return train(DataParallel(shard_with_torch(AutoModelForCausalLM.from_pretrained(path))), batch)
+    return train(FullyShardedDataParallel(shard_with_torch(AutoModelForCausalLM.from_pretrained(path))), batch)
 
 
 def fsdp2_transformers(path: Path, batch: torch.Tensor) -> dict:
-    config = DistributedConfig(fsdp_size=2)
-    return train(DataParallel(AutoModelForCausalLM.from_pretrained(path, distributed_config=config)), batch)
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))
+    return train(FullyShardedDataParallel(model), batch)
 
 
 def fsdp2_torch_bf16(path: Path, batch: torch.Tensor) -> dict:
