@@ -350,6 +350,8 @@ class ResFormerModel(ResFormerPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if isinstance(self.layers[0], PipelineIdentityLayer) or isinstance(self.norm, PipelineIdentityLayer):
+            raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)  # split by transformers' pipeline stages
 
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
@@ -369,9 +371,6 @@ class ResFormerModel(ResFormerPreTrainedModel):
             past_key_values=past_key_values,
             position_ids=position_ids,
         )
-
-        if isinstance(self.layers[0], PipelineIdentityLayer) or isinstance(self.norm, PipelineIdentityLayer):
-            raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)  # split by transformers' pipeline stages
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -472,11 +471,12 @@ def _gather_in_float32(value_residual: nn.Module) -> None:
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    group = fully_shard.state(value_residual)._fsdp_param_group
-    if group is None:  # fixed λ: no parameters to gather
+    state = fully_shard.state(value_residual)
+    group = state._fsdp_param_group if state is not None else None
+    if group is None:  # fixed λ (no parameters), or an `fsdp_plan` that left the λ in their parent's group
         return
     policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    fully_shard.state(value_residual)._mp_policy = group.mp_policy = policy
+    state._mp_policy = group.mp_policy = policy
     for parameter in group.fsdp_params:
         parameter.mp_policy = policy
 

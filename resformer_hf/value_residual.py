@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from transformers.core_model_loading import ConversionOps, WeightConverter
+from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
@@ -79,7 +79,7 @@ class ValueResidual(nn.Module):
         """(λ_first, λ_self) of each receiving layer, as differentiable float32 tensors of shape [len(receivers)].
 
         Offsets are upcast before the initial values are added: engines that hand the module bfloat16 copies of its
-        parameters (DeepSpeed bf16) then round only the small offsets, never λ itself (bf16 rounds 8 + 0.3 to 8.25).
+        parameters (DeepSpeed bf16) then round only the small offsets, never λ itself (bf16 holds 32.3 as 32.25).
         """
         if self.parameterisation == PAIR:
             first, own = self.lambda_first_offset.float(), self.lambda_self_offset.float()
