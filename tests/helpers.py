@@ -13,7 +13,8 @@ import textwrap
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.configuration_resformer import VARIANTS
@@ -145,6 +146,17 @@ def client_checkpoints(root: Path) -> dict[str, Path]:
     return folders
 
 
+def save_with_scalar_lambda_scale(model: PreTrainedModel, folder: str | Path) -> None:
+    """Save `model` as checkpoints were written before λ became at least 1-D: `lambda_scale_offset` as a 0-dim
+    tensor (one safetensors file)."""
+    model.save_pretrained(folder)
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(path)
+    key = "model.value_residual.lambda_scale_offset"
+    tensors[key] = tensors[key].reshape(())
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def example_data():
     """(tokenizer, block dataset) of the fine-tuning example: the same text, tokenizer and blocks it trains on."""
     text = sample_text(TEXT_CHARS)
@@ -170,6 +182,7 @@ __all__ = [
     "llama_pair",
     "model_with_random_lambdas",
     "run_fresh_python",
+    "save_with_scalar_lambda_scale",
     "step_losses",
     "tiny_config",
     "training_arguments",
