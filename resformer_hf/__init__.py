@@ -3,7 +3,7 @@
 Importing the package registers model type ``"resformer"`` with transformers' Auto classes.
 """
 
-from .cache_resformer import cache_nbytes
+from .cache_accounting import cache_nbytes
 from .configuration_resformer import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
 from .conversion import ConversionError, ConversionReport, convert_llama_checkpoint
 from .modeling_resformer import (

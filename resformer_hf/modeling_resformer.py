@@ -27,6 +27,7 @@ from transformers.modeling_layers import (
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.auto import modeling_auto
 from transformers.models.llama.modeling_llama import (
     LlamaAttention,
     LlamaForCausalLM,
@@ -45,6 +46,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, VARIANTS, ResFormerConfig
+from .peft_support import register_peft_target_modules
 from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, mix_values, neutreno_correction
 
 try:  # transformers' pipeline stages put this placeholder where a layer lives on another stage
@@ -218,11 +220,15 @@ class ResFormerPreTrainedModel(PreTrainedModel):
     }
 
     def __init__(self, config: ResFormerConfig, *inputs, **kwargs):
-        # The generic heads build their body with `AutoModel.from_config(config)`. When this file runs as remote code
-        # (`trust_remote_code=True`, no `resformer_hf` installed) nothing has registered this config's class, which
-        # transformers loads from its own copy of configuration_resformer.py; registering it here makes them work.
+        # When this file runs as remote code (`trust_remote_code=True`, no `resformer_hf` installed) nothing has
+        # registered model type "resformer" (the config class is transformers' own copy of configuration_resformer.py):
+        # the generic heads build their body with `AutoModel.from_config(config)`, the Trainer and pipelines look class
+        # names up in transformers' name tables, PEFT picks default target modules by model type. Done here, they
+        # treat a remote-code ResFormer as `import resformer_hf` makes them treat the plugin's (idempotent, cheap).
         if getattr(config, "model_type", None) == ResFormerConfig.model_type:
             AutoModel.register(type(config), ResFormerModel, exist_ok=True)
+            register_model_type_names()
+            register_peft_target_modules()
         super().__init__(config, *inputs, **kwargs)
         if not config.value_residual_spec.learnable:  # no λ parameters, so nothing to keep in float32 on load
             self._keep_in_fp32_modules_strict = []
@@ -499,7 +505,29 @@ class ResFormerForQuestionAnswering(GenericForQuestionAnswering, ResFormerPreTra
 class ResFormerForTokenClassification(GenericForTokenClassification, ResFormerPreTrainedModel): ...
 
 
+#: transformers' model-type → class-name tables that list "llama", with the ResFormer class for each. Code that never
+#: sees the Auto registries reads them: `Trainer` shifts labels for label smoothing only for class names in the
+#: causal-LM table (unshifted labels train silently wrong), model cards and `transformers serve` pick the task from
+#: them. `CONFIG_MAPPING_NAMES` is left alone on purpose: the lazy Auto mappings import `transformers.models.<type>`
+#: for every model type listed there.
+MODEL_TYPE_NAME_TABLES = {
+    "MODEL_MAPPING_NAMES": ResFormerModel,
+    "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES": ResFormerForCausalLM,
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES": ResFormerForSequenceClassification,
+    "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES": ResFormerForQuestionAnswering,
+    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES": ResFormerForTokenClassification,
+}
+
+
+def register_model_type_names() -> None:
+    """List model type "resformer" in each of `MODEL_TYPE_NAME_TABLES`, as "llama" is; safe to call more than once."""
+    for table_name, model_class in MODEL_TYPE_NAME_TABLES.items():
+        getattr(modeling_auto, table_name).setdefault(ResFormerConfig.model_type, model_class.__name__)
+
+
 __all__ = [
+    "MODEL_TYPE_NAME_TABLES",
+    "register_model_type_names",
     "ResFormerPreTrainedModel",
     "ResFormerModel",
     "ResFormerForCausalLM",

@@ -9,7 +9,10 @@ by naming it in `modules_to_save` (they are then saved in, and reloaded from, th
 
     LoraConfig(task_type="CAUSAL_LM", modules_to_save=LAMBDA_MODULES)
 
-Not imported by the modeling files (it is not copied for `trust_remote_code`).
+The modeling file imports this module, so it is copied next to `config.json` with the other remote-code files and a
+Hub folder loaded with `trust_remote_code=True` (no `resformer_hf` installed) gets the same defaults. It therefore
+imports only the standard library and transformers; PEFT itself is imported inside `try`, which transformers'
+`check_imports` skips, so the shipped files never require PEFT.
 """
 
 from __future__ import annotations

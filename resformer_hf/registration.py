@@ -18,6 +18,7 @@ from .modeling_resformer import (
     ResFormerForSequenceClassification,
     ResFormerForTokenClassification,
     ResFormerModel,
+    register_model_type_names,
 )
 
 _AUTO_MODELS = (
@@ -30,7 +31,9 @@ _AUTO_MODELS = (
 
 
 def register_auto_classes() -> None:
-    """Make `AutoConfig` / `AutoModel*` resolve model type "resformer"; safe to call more than once.
+    """Make `AutoConfig` / `AutoModel*` resolve model type "resformer", and list it in every transformers name table
+    that lists "llama" (`MODEL_TYPE_NAME_TABLES`: the Trainer's label-smoothing shift, pipelines and model cards read
+    them); safe to call more than once.
 
     Also marks the classes for `register_for_auto_class`, so `save_pretrained` / `push_to_hub` copy
     `configuration_resformer.py`, `modeling_resformer.py` and their sibling imports next to `config.json` and write
@@ -41,6 +44,7 @@ def register_auto_classes() -> None:
     for auto_class, model_class in _AUTO_MODELS:
         auto_class.register(ResFormerConfig, model_class, exist_ok=True)
         model_class.register_for_auto_class(auto_class.__name__)
+    register_model_type_names()
 
 
 def full_auto_map() -> dict[str, str]:

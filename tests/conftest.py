@@ -23,3 +23,11 @@ def variant(request) -> str:
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def client_folders(tmp_path_factory):
+    """Checkpoint folders (weights + tokenizer) for the client-library tests; see `helpers.client_checkpoints`."""
+    from helpers import client_checkpoints
+
+    return client_checkpoints(tmp_path_factory.mktemp("clients"))

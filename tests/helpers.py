@@ -5,13 +5,19 @@ Imported by name (`from helpers import ...`); pytest puts `tests/` on `sys.path`
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel, Trainer
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
+from resformer_hf.configuration_resformer import VARIANTS
 from resformer_hf.examples.finetune import BLOCK_SIZE, TEXT_CHARS, VOCAB_SIZE, build_model, training_arguments
 from resformer_hf.text import block_dataset, sample_text, train_tokenizer
 
@@ -45,6 +51,101 @@ def model_with_random_lambdas(config: ResFormerConfig, bound: float = 0.4) -> Re
     return model
 
 
+def llama_config_like(config: ResFormerConfig) -> LlamaConfig:
+    """The `LlamaConfig` of a plain Llama with the same shape as the ResFormer `config`."""
+    llama_fields = LlamaConfig().to_dict()
+    fields = {k: v for k, v in config.to_dict().items() if k in llama_fields and k not in ("model_type", "auto_map")}
+    return LlamaConfig(**fields)
+
+
+def llama_pair(variant: str = "learnable_plus", seed: int = 0, **overrides):
+    """(Llama, ResFormer) with the same weights that compute the same function: the ResFormer's λ start at the
+    variant's output-preserving values (λ_first = 0, λ_self = 1), so every difference a client shows is the client's
+    handling of the model type, not the architecture. Both in eval mode."""
+    spec_fields = VARIANTS[variant].preserving_fields or {}
+    config = tiny_config(variant, **{**spec_fields, **overrides})
+    torch.manual_seed(seed)
+    llama = LlamaForCausalLM(llama_config_like(config)).eval()
+    resformer = ResFormerForCausalLM(config).eval()
+    missing, unexpected = resformer.load_state_dict(llama.state_dict(), strict=False)
+    assert not unexpected and all(key.startswith("model.value_residual.") for key in missing), (missing, unexpected)
+    return llama, resformer
+
+
+#: Prepended to a fresh interpreter's script: the top-level modules named in `sys.argv[1]` (a JSON list) look not
+#: installed (every import finder returns no spec for them, so `import` fails and `importlib.util.find_spec` is None,
+#: as transformers' availability checks expect), so only remote code copied next to a checkpoint can run.
+BLOCK_MODULES = textwrap.dedent(
+    """
+    import json, sys
+
+    class HideModules:
+        blocked = set(json.loads(sys.argv.pop(1)))
+
+        def __init__(self, finder):
+            self.finder = finder
+
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in self.blocked:
+                return None
+            return self.finder.find_spec(name, path, target)
+
+        def __getattr__(self, attribute):
+            return getattr(self.finder, attribute)
+
+    sys.meta_path[:] = [HideModules(finder) for finder in sys.meta_path]
+    """
+)
+
+
+def run_fresh_python(
+    script: str, workdir: Path, *args: str, blocked=("resformer_hf",), timeout: int = 300, extra_path=()
+) -> dict:
+    """Run `script` in a fresh offline interpreter that cannot import the `blocked` top-level modules (by default
+    this package), with `extra_path` first on `sys.path`; returns the JSON it printed after "REPORT "."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_MODULES_CACHE=str(Path(workdir) / "modules"))
+    if extra_path:
+        env["PYTHONPATH"] = os.pathsep.join(str(path) for path in extra_path)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCK_MODULES + textwrap.dedent(script), json.dumps(list(blocked)), *args],
+        cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.rpartition("REPORT ")[2])
+
+
+#: Checkpoint folders `client_checkpoints` writes: the source Llama, and ResFormers made from it.
+CLIENT_FOLDERS = ("llama", "resformer_preserve", "learnable_plus", "svformer", "dense")
+
+
+def client_checkpoints(root: Path) -> dict[str, Path]:
+    """Folders (weights + tokenizer) that client-library tests load as a user would: a small random Llama
+    ("llama"), its conversion that computes the same function ("resformer_preserve": `learnable_plus`,
+    `init="preserve"`), conversions with the paper's λ ("learnable_plus", "svformer"), and a `dense` ResFormer
+    (not convertible) with the Llama's weights and random λ."""
+    from resformer_hf import convert_llama_checkpoint
+    from resformer_hf.text import sample_text, train_tokenizer
+
+    tokenizer = train_tokenizer([sample_text(TEXT_CHARS)], VOCAB_SIZE)
+    special = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("pad", "bos", "eos")}
+    shape = {**TINY, **special, "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+             "max_position_embeddings": 256}
+    folders = {name: Path(root) / name for name in CLIENT_FOLDERS}
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    llama.save_pretrained(folders["llama"])
+    tokenizer.save_pretrained(folders["llama"])
+    convert_llama_checkpoint(folders["llama"], folders["resformer_preserve"], variant="learnable_plus", progress=False)
+    for variant in ("learnable_plus", "svformer"):
+        convert_llama_checkpoint(folders["llama"], folders[variant], variant=variant, init="paper", progress=False)
+    dense = model_with_random_lambdas(ResFormerConfig(**shape, value_residual="dense"))
+    dense.load_state_dict(llama.state_dict(), strict=False)
+    dense.save_pretrained(folders["dense"])
+    tokenizer.save_pretrained(folders["dense"])
+    return folders
+
+
 def save_with_scalar_lambda_scale(model: PreTrainedModel, folder: str | Path) -> None:
     """Save `model` as checkpoints were written before λ became at least 1-D: `lambda_scale_offset` as a 0-dim
     tensor (one safetensors file)."""
@@ -69,12 +170,18 @@ def step_losses(trainer: Trainer) -> list[float]:
 
 
 __all__ = [
+    "BLOCK_MODULES",
+    "CLIENT_FOLDERS",
     "BLOCK_SIZE",
     "TINY",
     "VOCAB_SIZE",
     "build_model",
+    "client_checkpoints",
     "example_data",
+    "llama_config_like",
+    "llama_pair",
     "model_with_random_lambdas",
+    "run_fresh_python",
     "save_with_scalar_lambda_scale",
     "step_losses",
     "tiny_config",

@@ -6,9 +6,10 @@ for reload and merge, and the untouched base for what must not change.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from helpers import build_model, example_data, step_losses, training_arguments
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from safetensors import safe_open
@@ -16,6 +17,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Tr
 
 from resformer_hf import LAMBDA_MODULES, ResFormerForCausalLM, register_peft_target_modules
 from resformer_hf.value_residual import ValueResidual
+
+from helpers import build_model, example_data, llama_pair, run_fresh_python, step_losses, training_arguments
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +82,48 @@ def test_lora_default_target_modules_are_llamas(variant):
     peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))
     assert adapted_module_names(peft_model, "lora_A") == expected
     assert len(expected) == (6 if variant == "learnable_plus" else 4)
+
+
+# A fresh interpreter that cannot import `resformer_hf`: the folder's remote code alone must give PEFT its defaults.
+REMOTE_LORA = """
+import importlib.util, json, sys
+import torch, transformers
+from transformers.models.auto import modeling_auto
+
+folders = json.loads(sys.argv[1])
+report = {"adapted": {}, "plugin_importable": importlib.util.find_spec("resformer_hf") is not None}
+for name, folder in folders.items():
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=name != "llama")
+    report[f"{name}_module"] = type(model).__module__
+    if name == "no_peft":
+        report["peft_imported"] = "peft" in sys.modules
+        continue
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM"))
+    report["adapted"][name] = sorted(n for n, module in peft_model.named_modules() if hasattr(module, "lora_A"))
+report["causal_lm_names"] = sorted(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_remote_code_gets_llamas_lora_defaults_without_the_plugin_and_never_requires_peft(tmp_path):
+    llama, resformer = llama_pair("learnable_plus")
+    llama.save_pretrained(tmp_path / "llama")
+    resformer.save_pretrained(tmp_path / "resformer")
+    folders = {"llama": str(tmp_path / "llama"), "resformer": str(tmp_path / "resformer")}
+    report = run_fresh_python(REMOTE_LORA, tmp_path, json.dumps(folders))
+    assert report["plugin_importable"] is False
+    assert report["resformer_module"].startswith("transformers_modules.")
+    assert report["adapted"]["resformer"] == report["adapted"]["llama"]
+    assert len(report["adapted"]["llama"]) == 2 * llama.config.num_hidden_layers  # q_proj and v_proj
+    assert "ResFormerForCausalLM" in report["causal_lm_names"]  # the Trainer shifts labels for it (label smoothing)
+
+    # PEFT is imported inside `try` only: with PEFT missing too, the remote code still loads.
+    report = run_fresh_python(REMOTE_LORA, tmp_path, json.dumps({"no_peft": folders["resformer"]}),
+                              blocked=("resformer_hf", "peft"))
+    assert report["no_peft_module"].startswith("transformers_modules.") and not report["peft_imported"]
 
 
 def test_other_peft_methods_get_llamas_defaults_too():
