@@ -145,14 +145,14 @@ def test_analyze_bad_inputs_are_one_line(analysis_inputs, tmp_path, capsys, mode
 
 def test_analyze_unreadable_text_is_one_line(analysis_inputs, tmp_path, capsys, monkeypatch):
     """Permission denied (simulated: the suite may run as root, which reads anything)."""
-    real = pathlib.Path.read_bytes
+    real = pathlib.Path.open
 
-    def denied(self):
+    def denied(self, *args, **kwargs):
         if self.name == "text.txt":
             raise PermissionError(errno.EACCES, "Permission denied", str(self))
-        return real(self)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(pathlib.Path, "read_bytes", denied)
+    monkeypatch.setattr(pathlib.Path, "open", denied)
     argv = [str(analysis_inputs["fits"]), "--text", str(analysis_inputs["text"]), "--out", str(tmp_path / "o")]
     assert analyze_main(argv) == 2
     assert_one_line(capsys, "resformer-analyze", 2, "cannot be read (Permission denied)")
@@ -212,6 +212,7 @@ _INTERRUPT_WHILE_IMPORTING = textwrap.dedent(
                 os.kill(os.getpid(), signal.SIGINT)
             return None
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if our parent ignores Ctrl-C
     sys.argv = sys.argv[1:]  # argv[0] is the command's name, as for the installed console script
     sys.meta_path.insert(0, InterruptOnImport())
     import importlib

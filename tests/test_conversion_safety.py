@@ -160,7 +160,8 @@ def test_quickstart_overwrite_never_deletes_its_inputs(quickstart_model, tmp_pat
     data = (out if layout == "output-holds-data" else tmp_path) / "text.txt"
     data.parent.mkdir(exist_ok=True)
     data.write_text(sample_text(20_000))
-    argv = ["--model", str(model), "--data", str(data), "--output", str(out), "--overwrite", "--steps", "1"]
+    argv = ["--model", str(model), "--data", str(data), "--output", str(out), "--overwrite", "--steps", "1",
+            "--batch-size", "2", "--block-size", "32", "--max-new-tokens", "2"]  # a run that would get to writing
     if layout == "output-holds-tokenizer":
         shutil.copytree(quickstart_model, out / "tok")
         argv += ["--tokenizer", str(out / "tok")]
@@ -272,7 +273,8 @@ def test_rerun_removes_partials_of_dead_runs_and_names_the_others(llama, tmp_pat
 
 _STOP_WHEN_STAGED = textwrap.dedent(
     """
-    import pathlib, sys, time
+    import pathlib, signal, sys, time
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if our parent ignores Ctrl-C
     import resformer_hf.model_card as model_card
 
     real = model_card.write_model_card

@@ -143,11 +143,10 @@ def analyze_checkpoints(
     tokenizer = _load_tokenizer(tokenizer_source)
     configs = {model_dir: _load_config(model_dir) for model_dir in model_dirs}
     context = min(getattr(config, "max_position_embeddings", max_tokens) for config in configs.values())
-    if max_tokens > context:
-        logger.warning(f"max_tokens={max_tokens} exceeds the models' context ({context}); using {context}.")
-        max_tokens = context
-    input_ids = _token_batch(text, tokenizer, max_tokens, num_sequences)
+    input_ids = _token_batch(text, tokenizer, min(max_tokens, context), num_sequences)
     _check_vocabulary(input_ids, configs, tokenizer_source)
+    if max_tokens > context:  # said once the inputs are known to be usable
+        logger.warning(f"max_tokens={max_tokens} exceeds the models' context ({context}); using {context}.")
     input_ids = input_ids.to(device)
 
     entropies, similarities, lambdas, kinds = {}, {}, {}, {}

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from ..errors import UserInputError
+from .startup import end_start_up_guard
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
@@ -90,10 +91,13 @@ def run_command(
     interrupted_note: Callable[[argparse.Namespace], str] | None = None,
 ) -> int:
     """Parse `argv` and run `command(args)` under the contract above; returns the exit status."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    if in_main_thread:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the start-up guard's job is done
-        previous_term = signal.signal(signal.SIGTERM, _raise_terminated)
+    handle_term = threading.current_thread() is threading.main_thread()
+    if handle_term:
+        end_start_up_guard()
+        # SIGTERM becomes an exception unless someone chose otherwise (ignored, or their own handler).
+        handle_term = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if handle_term:
+        signal.signal(signal.SIGTERM, _raise_terminated)
     args = None
     try:
         args = parser.parse_args(argv)
@@ -118,8 +122,8 @@ def run_command(
         _say(prog, f"error: unexpected {type(error).__name__}: {error} (rerun with --debug for the traceback)")
         return EXIT_FAILURE
     finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous_term if previous_term is not None else signal.SIG_DFL)
+        if handle_term:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _say(prog: str, message: str) -> None:

@@ -43,14 +43,21 @@ def guard_start_up() -> None:
     if prog is None or threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return  # someone else handles Ctrl-C
+        return  # Ctrl-C is ignored (a background job, nohup) or handled by someone else: leave it so
 
     def interrupted(signum, frame) -> None:
         sys.stderr.write(f"{prog}: interrupted while starting; nothing was done\n")
         sys.stderr.flush()
         os._exit(130)
 
+    interrupted.start_up_guard = True
     signal.signal(signal.SIGINT, interrupted)
+
+
+def end_start_up_guard() -> None:
+    """From here on Ctrl-C raises `KeyboardInterrupt` again, so clean-up code runs (only if the guard was set)."""
+    if getattr(signal.getsignal(signal.SIGINT), "start_up_guard", False):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 guard_start_up()

@@ -64,6 +64,14 @@ def _name_max(directory: Path) -> int:
         return 255
 
 
+def _place(where) -> Path | None:
+    """`Path.cwd()` / `Path.home()` resolved, or None where there is none (a deleted cwd, no HOME)."""
+    try:
+        return where().resolve()
+    except (OSError, RuntimeError, KeyError):
+        return None
+
+
 def _is_within(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
@@ -97,8 +105,8 @@ def check_output_path(
     real = output.resolve()
     if real == Path(real.anchor):
         raise OutputPathError(f"{label} {output} is the root of the file system; pass a new folder.")
-    for place, what in ((Path.cwd().resolve(), "the current directory"), (Path.home().resolve(), "your home folder")):
-        if _is_within(place, real):
+    for place, what in ((_place(Path.cwd), "the current directory"), (_place(Path.home), "your home folder")):
+        if place is not None and _is_within(place, real):
             raise OutputPathError(f"{label} {output} is {what} or contains it; writing there would replace it. Pass "
                                   "a new folder.")
     for input_label, item in inputs.items():
