@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Convert a Llama-layout checkpoint to ResFormer: `python conversion/convert_llama_to_resformer.py SRC DST [options]`.
 
-A thin wrapper around the installed console command `resformer-convert` (`resformer_hf.convert_cli`); see `--help`.
+A thin wrapper around the installed console command `resformer-convert` (`resformer_hf.cli.convert`); see `--help`.
 """
 
 import sys
 
-from resformer_hf.convert_cli import main
+from resformer_hf.cli.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,6 +3,9 @@
 Importing the package registers model type ``"resformer"`` with transformers' Auto classes.
 """
 
+from .cli import startup  # noqa: F401  (first, stdlib only: Ctrl-C while a command starts gives one line, exit 130)
+
+# isort: split
 from .cache_accounting import cache_nbytes
 from .configuration_resformer import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
 from .conversion import ConversionError, ConversionReport, convert_llama_checkpoint

@@ -1,22 +1,65 @@
 """Hub-ready folders and uploads: weights, remote code, tokenizer and the ResFormer model card in one commit.
 
-Stock `model.push_to_hub()` also works (and uploads the remote code), but it writes the Hub's existing card or a
-generic one; these helpers write the ResFormer card with the model's own λ table.
+`finish_hub_folder` is the one place that makes a folder publishable (the remote-code files, `config.json` with every
+Auto class in `auto_map` and `use_cache: true`, the model card); the converter, the quickstart and `save_for_hub` all
+use it. Stock `model.push_to_hub()` also works (and uploads the remote code), but it writes the Hub's existing card
+or a generic one; `push_with_card` writes the ResFormer card with the model's own λ table.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
+from transformers.dynamic_module_utils import custom_object_save
 
-from .model_card import write_model_card
-from .modeling_resformer import ResFormerPreTrainedModel
+from . import model_card
+from .configuration_resformer import ResFormerConfig
+from .modeling_resformer import ResFormerForCausalLM, ResFormerPreTrainedModel
 from .registration import full_auto_map
+
+
+def finish_hub_folder(
+    directory: str | os.PathLike,
+    config: ResFormerConfig,
+    *,
+    lambdas: Any = None,
+    base_model: str | None = None,
+    init: str | None = None,
+    datasets: str | Sequence[str] | None = None,
+    training: Mapping[str, Any] | None = None,
+    license: str | None = None,
+    model_id: str | None = None,
+) -> Path:
+    """Make a folder that holds the weights publishable: copy the remote-code files (so it loads with
+    `trust_remote_code=True` and no plugin), write `config.json` with a full `auto_map` and `use_cache: true` (a
+    Trainer may have switched the cache off on the model it trained), and the model card (`write_model_card`'s
+    arguments). `config` itself is not changed. Returns the folder."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    custom_object_save(ResFormerForCausalLM, directory)  # modeling_resformer.py and every file it imports
+    published = copy.deepcopy(config)
+    published.auto_map = {**full_auto_map(), **(getattr(config, "auto_map", None) or {})}
+    published.use_cache = True
+    published.save_pretrained(directory)
+    model_card.write_model_card(
+        directory,
+        published,
+        base_model=base_model,
+        init=init,
+        lambdas=lambdas,
+        datasets=datasets,
+        training=training,
+        license=license,
+        model_id=model_id,
+    )
+    return directory
 
 
 def save_for_hub(
@@ -31,30 +74,28 @@ def save_for_hub(
     license: str | None = None,
     model_id: str | None = None,
 ) -> Path:
-    """Write safetensors weights, config with a full `auto_map`, the remote-code files, `generation_config.json`, the
-    tokenizer (when given) and `README.md` into `save_directory`; returns the folder."""
+    """Write safetensors weights, `generation_config.json` and the tokenizer (when given) into `save_directory`,
+    then `finish_hub_folder` it (remote code, `config.json`, `README.md`); returns the folder."""
     if not isinstance(model, ResFormerPreTrainedModel):
         raise TypeError(
             f"model must be a ResFormer model, got {type(model).__name__}; convert a Llama checkpoint first with "
             "resformer_hf.conversion.convert_llama_checkpoint."
         )
     directory = Path(save_directory)
-    model.config.auto_map = {**full_auto_map(), **(getattr(model.config, "auto_map", None) or {})}
     model.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    write_model_card(
+    return finish_hub_folder(
         directory,
         model.config,
+        lambdas=model.value_residual_lambdas(),
         base_model=base_model,
         init=init,
-        lambdas=model.value_residual_lambdas(),
         datasets=datasets,
         training=training,
         license=license,
         model_id=model_id,
     )
-    return directory
 
 
 def upload_folder_to_hub(
@@ -80,7 +121,7 @@ def upload_folder_to_hub(
     )
 
 
-def push_to_hub(
+def push_with_card(
     model: ResFormerPreTrainedModel,
     repo_id: str,
     *,
@@ -101,4 +142,22 @@ def push_to_hub(
         )
 
 
-__all__ = ["full_auto_map", "push_to_hub", "save_for_hub", "upload_folder_to_hub"]
+def push_to_hub(model: ResFormerPreTrainedModel, repo_id: str, **kwargs: Any) -> CommitInfo:
+    """Deprecated name of `push_with_card` (it shadowed `PreTrainedModel.push_to_hub`, which behaves differently)."""
+    warnings.warn(
+        "resformer_hf.hub.push_to_hub is deprecated and will be removed; use resformer_hf.hub.push_with_card (same "
+        "arguments). model.push_to_hub() is transformers' own upload, without the ResFormer card.",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return push_with_card(model, repo_id, **kwargs)
+
+
+__all__ = [
+    "finish_hub_folder",
+    "full_auto_map",
+    "push_to_hub",
+    "push_with_card",
+    "save_for_hub",
+    "upload_folder_to_hub",
+]

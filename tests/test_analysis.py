@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
-from helpers import TINY, tiny_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM
-from resformer_hf.analysis import attention_entropy, lambda_table, main, token_similarity
+from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
+from resformer_hf.cli.analyze import main
+
+from helpers import TINY, tiny_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -169,7 +171,8 @@ def test_cli_writes_summary_and_plots_with_the_functions_numbers(tmp_path):
         assert (out / name).read_bytes()[:8] == PNG_MAGIC
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(tmp_path / "resformer")(text.read_text(), add_special_tokens=False)["input_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "resformer")
+    ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"]
     batch = torch.tensor(ids[:32]).view(2, 16)
     for model in (resformer, llama):
         row_entropy = " | ".join(f"{v:.3f}" for v in attention_entropy(model, batch).tolist())
@@ -178,11 +181,13 @@ def test_cli_writes_summary_and_plots_with_the_functions_numbers(tmp_path):
     assert "learnable_plus" in summary and "none (Llama)" in summary
 
 
-def test_cli_errors_say_what_to_do(tmp_path):
+def test_cli_errors_say_what_to_do(tmp_path, capsys):
     _llama().save_pretrained(tmp_path / "llama")  # no tokenizer saved with it
     text = tmp_path / "t.txt"
     text.write_text("some words here")
-    with pytest.raises(ValueError, match="--tokenizer"):
-        main([str(tmp_path / "llama"), "--text", str(text), "--out", str(tmp_path / "o"), "--no-plots"])
-    with pytest.raises(SystemExit):
-        main([str(tmp_path / "llama"), "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")])
+    capsys.readouterr()
+    assert main([str(tmp_path / "llama"), "--text", str(text), "--out", str(tmp_path / "o"), "--no-plots"]) == 2
+    assert "pass --tokenizer PATH" in capsys.readouterr().err
+    assert main([str(tmp_path / "llama"), "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip().endswith("missing.txt is not a file; pass a UTF-8 text file.")
+    assert not (tmp_path / "o").exists()

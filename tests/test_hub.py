@@ -143,6 +143,7 @@ def test_save_pretrained_writes_self_contained_remote_code(tmp_path):
     assert not list(tmp_path.glob("*.bin"))
 
 
+@pytest.mark.slow
 def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
     torch.manual_seed(0)
     input_ids = torch.randint(3, 128, (2, 9))
@@ -251,11 +252,11 @@ def test_stock_push_to_hub_uploads_remote_code(monkeypatch):
     assert auto_map["AutoModelForCausalLM"] == "modeling_resformer.ResFormerForCausalLM"
 
 
-def test_resformer_push_to_hub_uploads_weights_tokenizer_and_card(monkeypatch, tmp_path):
+def test_push_with_card_uploads_weights_tokenizer_and_card(monkeypatch, tmp_path):
     hub = _FakeHub(monkeypatch)
     model = ResFormerForCausalLM(tiny_config("learnable"))
     _perturb_lambdas(model)
-    commit = resformer_hub.push_to_hub(
+    commit = resformer_hub.push_with_card(
         model,
         "someone/tiny-resformer",
         tokenizer=_tiny_tokenizer(),
@@ -297,3 +298,37 @@ def test_save_for_hub_refuses_a_plain_llama(tmp_path):
                                          num_attention_heads=2))
     with pytest.raises(TypeError, match="convert_llama_checkpoint"):
         resformer_hub.save_for_hub(llama, tmp_path)
+
+
+def test_deprecated_push_to_hub_name_warns_and_pushes_with_the_card(monkeypatch):
+    hub = _FakeHub(monkeypatch)
+    model = ResFormerForCausalLM(tiny_config("learnable"))
+    with pytest.warns(FutureWarning, match="use resformer_hf.hub.push_with_card"):
+        resformer_hub.push_to_hub(model, "someone/old-name", license="apache-2.0")
+    (files,) = hub.commits
+    assert ModelCard(files["README.md"].decode("utf-8")).data.license == "apache-2.0"
+
+
+def test_every_publishing_path_finishes_the_folder_the_same_way(tmp_path):
+    """The converter and `save_for_hub` (the quickstart's writer) share one finisher: remote code, a full auto_map and
+    `use_cache: true` (a Trainer leaves it false on the model it trained), whatever the model's own config says."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    from resformer_hf import convert_llama_checkpoint
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, use_cache=False))
+    llama.save_pretrained(tmp_path / "llama")
+    convert_llama_checkpoint(tmp_path / "llama", tmp_path / "converted", progress=False)
+    model = ResFormerForCausalLM(tiny_config("learnable_plus"))
+    model.config.use_cache = False  # as Trainer(gradient_checkpointing=True) leaves it
+    resformer_hub.save_for_hub(model, tmp_path / "saved")
+    assert model.config.use_cache is False  # the caller's model is not changed
+
+    for folder in ("converted", "saved"):
+        config = json.loads((tmp_path / folder / "config.json").read_text())
+        assert config["use_cache"] is True and config["auto_map"] == resformer_hub.full_auto_map()
+        assert {path.name for path in (tmp_path / folder).glob("*.py")} == EXPECTED_CODE_FILES
+        assert ModelCard.load(tmp_path / folder / "README.md").data.library_name == "transformers"
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder)
+        assert loaded(torch.tensor([[1, 2, 3]])).past_key_values is not None

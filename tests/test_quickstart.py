@@ -16,7 +16,8 @@ from huggingface_hub import HfApi, ModelCard, RepoUrl
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import quickstart
-from resformer_hf.text import sample_text
+from resformer_hf.cli.quickstart import main as quickstart_main
+from resformer_hf.text import sample_text, train_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["--batch-size", "4", "--block-size", "32", "--max-new-tokens", "5", "--vocab-size", "300"]
@@ -39,7 +40,7 @@ def text_file(tmp_path_factory) -> Path:
 def tiny_llama(tmp_path_factory, text_file) -> Path:
     """A tiny Llama checkpoint with its own tokenizer, as a user's `--model` would be."""
     directory = tmp_path_factory.mktemp("llama")
-    tokenizer = quickstart.train_tokenizer([text_file.read_text(encoding="utf-8")], 300)
+    tokenizer = train_tokenizer([text_file.read_text(encoding="utf-8")], 300)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -50,9 +51,10 @@ def tiny_llama(tmp_path_factory, text_file) -> Path:
     return directory
 
 
+@pytest.mark.slow
 def test_converts_a_given_model_fine_tunes_and_writes_a_loadable_folder(tmp_path, tiny_llama, text_file, capsys):
     out = tmp_path / "out"
-    code = quickstart.main(["--model", str(tiny_llama), "--data", str(text_file), "--steps", "30",
+    code = quickstart_main(["--model", str(tiny_llama), "--data", str(text_file), "--steps", "30",
                             "--learning-rate", "5e-3", "--output", str(out), *TINY_RUN])
     printed = capsys.readouterr().out
     assert code == 0, printed
@@ -63,6 +65,7 @@ def test_converts_a_given_model_fine_tunes_and_writes_a_loadable_folder(tmp_path
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "resformer" and config["value_residual"] == "learnable_plus"
+    assert config["use_cache"] is True  # publishable: the Trainer's training-time setting is not kept
     card = ModelCard.load(out / "README.md")
     assert card.data.pipeline_tag == "text-generation" and "license" not in card.data.to_dict()
     before, after = map(float, _card_value(card, "held-out loss before → after").split(" → "))
@@ -82,6 +85,7 @@ def test_converts_a_given_model_fine_tunes_and_writes_a_loadable_folder(tmp_path
                           atol=5e-5)
 
 
+@pytest.mark.slow
 def test_defaults_build_a_llama_on_the_bundled_text_and_push(tmp_path, monkeypatch, capsys):
     commits = []
 
@@ -95,7 +99,7 @@ def test_defaults_build_a_llama_on_the_bundled_text_and_push(tmp_path, monkeypat
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "create_commit", create_commit)
     out = tmp_path / "out"
-    code = quickstart.main(["--steps", "2", "--output", str(out), "--push-to-hub", "someone/demo", *TINY_RUN])
+    code = quickstart_main(["--steps", "2", "--output", str(out), "--push-to-hub", "someone/demo", *TINY_RUN])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert quickstart.SAMPLE_DESCRIPTION in printed and "init=paper" in printed
@@ -109,18 +113,19 @@ def test_defaults_build_a_llama_on_the_bundled_text_and_push(tmp_path, monkeypat
     assert len(AutoTokenizer.from_pretrained(out)) == 300
 
 
+@pytest.mark.slow
 def test_trains_on_a_datasets_folder(tmp_path, tiny_llama, text_file, capsys):
     folder = tmp_path / "corpus"
     folder.mkdir()
     (folder / "part.txt").write_text(text_file.read_text(encoding="utf-8")[:20_000], encoding="utf-8")
     out = tmp_path / "out"
-    code = quickstart.main(["--model", str(tiny_llama), "--dataset", str(folder), "--steps", "2",
+    code = quickstart_main(["--model", str(tiny_llama), "--dataset", str(folder), "--steps", "2",
                             "--output", str(out), *TINY_RUN])
     assert code == 0, capsys.readouterr()
     card = ModelCard.load(out / "README.md")
     assert _card_value(card, "data") == f"dataset {folder}"
     assert "datasets" not in card.data.to_dict()  # a local folder is not a Hub dataset id
-    assert quickstart.main(["--model", str(tiny_llama), "--dataset", str(folder), "--text-column", "body",
+    assert quickstart_main(["--model", str(tiny_llama), "--dataset", str(folder), "--text-column", "body",
                             "--output", str(tmp_path / "out2"), *TINY_RUN]) == 2
     assert "has no column 'body'; its columns are text" in capsys.readouterr().err
 
@@ -135,14 +140,14 @@ def test_trains_on_a_datasets_folder(tmp_path, tiny_llama, text_file, capsys):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
-    code = quickstart.main([*argv, "--output", str(tmp_path / "out"), "--steps", "1", *TINY_RUN])
+    code = quickstart_main([*argv, "--output", str(tmp_path / "out"), "--steps", "1", *TINY_RUN])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("resformer-quickstart: error: ") and message in err[0], err
 
 
 def test_block_longer_than_the_models_positions_is_refused(tmp_path, tiny_llama, text_file, capsys):
-    code = quickstart.main(["--model", str(tiny_llama), "--data", str(text_file), "--block-size", "128",
+    code = quickstart_main(["--model", str(tiny_llama), "--data", str(text_file), "--block-size", "128",
                             "--output", str(tmp_path / "out")])
     assert code == 2
     assert "--block-size 128 exceeds the model's max_position_embeddings (64)" in capsys.readouterr().err
@@ -151,7 +156,7 @@ def test_block_longer_than_the_models_positions_is_refused(tmp_path, tiny_llama,
 
 def test_refuses_to_clobber_a_non_empty_output(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("user data")
-    assert quickstart.main(["--output", str(tmp_path)]) == 2
+    assert quickstart_main(["--output", str(tmp_path)]) == 2
     assert "pass --overwrite" in capsys.readouterr().err
     assert (tmp_path / "keep.txt").read_text() == "user data"
 
@@ -161,21 +166,37 @@ def test_refuses_to_clobber_a_non_empty_output(tmp_path, capsys):
     [
         (["--steps", "0"], "--steps: 0 must be positive"),
         (["--learning-rate", "nan"], "--learning-rate: nan must be a positive number"),
-        (["--variant", "svformer", "--init", "preserve"], "--init preserve cannot preserve"),
-        (["--dataset-config", "x"], "--dataset-config needs --dataset"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        quickstart.main(argv)
+        quickstart_main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2
     assert len(err) == 1 and err[0].startswith("resformer-quickstart: error: ") and message in err[0], err
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--variant", "svformer", "--init", "preserve"], "--init preserve cannot preserve"),
+        (["--dataset-config", "x"], "--dataset-config needs --dataset"),
+    ],
+)
+def test_inconsistent_settings_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    """Checked by `QuickstartSettings` itself, so library callers get the same message as the command."""
+    assert quickstart_main([*argv, "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("resformer-quickstart: error: ") and message in err[0], err
+    with pytest.raises(quickstart.QuickstartError, match=message.split()[0]):
+        quickstart.QuickstartSettings(**({"variant": "svformer", "init": "preserve"} if "--init" in argv
+                                         else {"dataset_config": "x"}))
+
+
+@pytest.mark.slow
 def test_bad_flags_exit_2_without_traceback_in_a_real_process():
     for argv in (["--steps", "0"], ["--no-such-flag"]):
-        result = subprocess.run([sys.executable, "-m", "resformer_hf.quickstart", *argv], capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "resformer_hf.cli.quickstart", *argv], capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 2, result
         assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -186,5 +207,5 @@ def test_console_script_is_declared():
     setup = configparser.ConfigParser()
     setup.read(REPO_ROOT / "setup.cfg")
     scripts = setup["options.entry_points"]["console_scripts"]
-    assert "resformer-quickstart = resformer_hf.quickstart:main" in scripts
+    assert "resformer-quickstart = resformer_hf.cli.quickstart:main" in scripts
     assert "data/*.txt" in setup["options.package_data"]["resformer_hf"]

@@ -1,0 +1,55 @@
+"""Module boundaries that keep the code small and single-purpose (issue 13): checked on the source, by AST."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+import resformer_hf
+
+PACKAGE = Path(resformer_hf.__file__).parent
+#: Generic modules: usable outside this project, so they import nothing from it.
+GENERIC = ["conversion/safetensors_io.py", "conversion/staging.py"]
+#: Imported first by `resformer_hf/__init__.py`, before torch: the standard library only.
+STDLIB_ONLY = ["cli/__init__.py", "cli/startup.py", "errors.py"]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(relative level, module) of every import in `path`; `import a.b` is (0, "a.b")."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(0, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.level, node.module or ""))
+    return found
+
+
+@pytest.mark.parametrize("name", GENERIC)
+def test_generic_modules_import_nothing_from_the_package(name):
+    offenders = [(level, module) for level, module in _imports(PACKAGE / name)
+                 if level > 0 or module.partition(".")[0] == "resformer_hf"]
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("name", STDLIB_ONLY)
+def test_start_up_modules_use_only_the_standard_library(name):
+    outside = [module for level, module in _imports(PACKAGE / name)
+               if level == 0 and module.partition(".")[0] not in sys.stdlib_module_names | {"__future__"}]
+    assert not outside and all(level == 0 or module == "errors" for level, module in _imports(PACKAGE / name))
+
+
+def test_argparse_lives_only_in_the_cli_layer():
+    """Library code takes typed arguments; the runnable example script (`examples/`) parses its own flags."""
+    users = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                   if any(module == "argparse" for _, module in _imports(path)))
+    assert users and all(user.startswith(("cli/", "examples/")) for user in users), users
+
+
+@pytest.mark.parametrize("folder", ["conversion", "cli", "quickstart", "analysis"])
+def test_split_modules_stay_small(folder):
+    sizes = {path.name: len(path.read_text(encoding="utf-8").splitlines()) for path in (PACKAGE / folder).glob("*.py")}
+    assert sizes and max(sizes.values()) <= 400, sizes
