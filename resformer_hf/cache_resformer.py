@@ -22,6 +22,9 @@ from transformers.utils import is_torchdynamo_compiling
 class _ReadsProducerValues:
     """Mixin for a cache layer that stores keys only and reads its values from a producer layer.
 
+    The method bodies below restate transformers 5.23's `DynamicLayer` / `StaticLayer` methods (cache_utils.py) for
+    keys only; each says which one it follows, so a transformers upgrade knows what to re-check.
+
     `values` is a read-only view of the producer's tensor (assigning `None`, which the base classes do on init and
     reset, is accepted and ignored), so the values exist once in memory and every operation on them (reorder, crop,
     select) is done once, by the producer.
@@ -40,15 +43,15 @@ class _ReadsProducerValues:
                 f"{type(self).__name__} stores keys only; its values are the producer layer's and cannot be set here."
             )
 
-    def offload(self) -> None:
+    def offload(self) -> None:  # follows DynamicLayer.offload, keys only
         if self.is_initialized:
             self.keys = self.keys.to("cpu", non_blocking=True)
 
-    def prefetch(self) -> None:
+    def prefetch(self) -> None:  # follows DynamicLayer.prefetch, keys only
         if self.is_initialized and self.keys.device != self.device:
             self.keys = self.keys.to(self.device, non_blocking=True)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:  # follows DynamicLayer.reorder_cache, keys only
         if self.get_seq_length() > 0:
             self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
 
@@ -77,7 +80,7 @@ class SharedValuesDynamicLayer(_ReadsProducerValues, DynamicLayer):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         return self.keys, self.values_from.values
 
-    def crop(self, tokens_to_remove: int) -> None:
+    def crop(self, tokens_to_remove: int) -> None:  # follows DynamicLayer.crop (same message), keys only
         if tokens_to_remove > 0:
             raise ValueError(
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
@@ -87,11 +90,11 @@ class SharedValuesDynamicLayer(_ReadsProducerValues, DynamicLayer):
             return
         self.keys = self.keys[..., : -abs(tokens_to_remove), :]
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
+    def batch_repeat_interleave(self, repeats: int) -> None:  # follows DynamicLayer.batch_repeat_interleave
         if self.get_seq_length() > 0:
             self.keys = self.keys.repeat_interleave(repeats, dim=0)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def batch_select_indices(self, indices: torch.Tensor) -> None:  # follows DynamicLayer.batch_select_indices
         if self.get_seq_length() > 0:
             self.keys = self.keys[indices, ...]
 
@@ -104,12 +107,15 @@ class SharedValuesStaticLayer(_ReadsProducerValues, StaticLayer):
         super().__init__(max_cache_len=max_cache_len, **kwargs)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        # follows StaticLayer.lazy_initialization (buffer layout, mark_static_address for torch.compile), keys only
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads = key_states.shape[:2]
         self.k_head_dim = key_states.shape[-1]
         self.v_head_dim = value_states.shape[-1] if value_states is not None else self.k_head_dim
         self.keys = torch.zeros(
-            (self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim), dtype=self.dtype, device=self.device
+            (self.batch_size, self.num_heads, self.max_cache_len, self.k_head_dim),
+            dtype=self.dtype,
+            device=self.device,
         )
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not is_torchdynamo_compiling():
@@ -120,7 +126,9 @@ class SharedValuesStaticLayer(_ReadsProducerValues, StaticLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor | None = None, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the keys in place; `value_states` was already written by the producer and is not stored again."""
+        """Write the keys in place; `value_states` was already written by the producer and is not stored again.
+
+        Follows `StaticLayer.update` (cumulative_length bookkeeping, index_copy_ with the MPS fallback), keys only."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache_position = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
@@ -131,7 +139,7 @@ class SharedValuesStaticLayer(_ReadsProducerValues, StaticLayer):
             self.keys[:, :, cache_position] = key_states
         return self.keys, self.values_from.values
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # follows StaticLayer.reset, keys only
         if self.is_initialized:
             self.keys.zero_()
         self.cumulative_length.zero_()
@@ -168,7 +176,8 @@ def share_first_layer_values(cache: Cache) -> Cache:
 
 
 def new_dynamic_cache(config: Any) -> DynamicCache:
-    """The `DynamicCache` a model with `config` uses by default: values stored once when layers reuse V_0 (SVFormer)."""
+    """The `DynamicCache` a model with `config` uses by default: values stored once when layers reuse V_0
+    (SVFormer)."""
     cache = DynamicCache(config=config)
     if getattr(config, "layers_without_value_projection", None):
         share_first_layer_values(cache)

@@ -83,7 +83,9 @@ class ValueResidualVariant:
         return self.preserving_fields is not None
 
 
-_FIXED_REASON = "its λ are fixed, and the only exact setting (λ_first=0, λ_self=1) would switch the residual off for good"
+_FIXED_REASON = (
+    "its λ are fixed, and the only exact setting (λ_first=0, λ_self=1) would switch the residual off for good"
+)
 
 VARIANTS: dict[str, ValueResidualVariant] = {
     spec.name: spec

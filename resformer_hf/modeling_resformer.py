@@ -37,6 +37,8 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring
+
+# Internal transformers utilities (not public API), used exactly as modeling_llama.py 5.23 uses them.
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
@@ -240,6 +242,9 @@ class ResFormerPreTrainedModel(PreTrainedModel):
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """Refuse a checkpoint of the other value-projection layout instead of dropping or random-initialising v_proj.
 
+        A private transformers hook: 5.23's `PreTrainedModel._finalize_model_loading` calls it once the weights are
+        loaded and missing ones initialised, which is when both checks here can be made.
+
         SVFormer layers n >= 1 have no `v_proj`; every other variant has one. A mismatch means the checkpoint was
         trained as a different variant than the config says.
         """
@@ -265,8 +270,8 @@ class ResFormerPreTrainedModel(PreTrainedModel):
             raise ValueError(
                 f"Variant mismatch: the model is value_residual={config.value_residual!r}, but the checkpoint has no "
                 f"v_proj weights for layers {absent} while their other projections are there, so it was trained "
-                f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names instead "
-                "of random-initialising those projections."
+                f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names "
+                "instead of random-initialising those projections."
             )
         self._check_lambdas_are_finite()
 
@@ -378,7 +383,7 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate()`'s own cache (dynamic, static, ...), with values stored once for SVFormer; a cache the user
-        passed in is left as it is."""
+        passed in is left as it is. A private `GenerationMixin` hook of transformers 5.23."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("past_key_values")
         user_defined = getattr(cache, "_is_user_defined", False)

@@ -153,14 +153,14 @@ def neutreno_correction(
     first_values: torch.Tensor, own_values: torch.Tensor, weights: Weights, num_key_value_groups: int
 ) -> torch.Tensor:
     """NeuTRENO's per-token term `λ(V_0 − V_n)`, repeated to the query heads and laid out like attention output
-    ([B, T, H_q, D]) so it can be added to `A_n V_n` before `o_proj`. λ is `weights[0]` (row n of `ValueResidual()`,
-    or the fixed pair)."""
+    ([B, T, H_q, D]) so it can be added to `A_n V_n` before `o_proj`. λ is `weights[0]` (row n of
+    `ValueResidual()`, or the fixed pair)."""
     difference = repeat_kv(first_values - own_values, num_key_value_groups)
     lam = weights[0] if isinstance(weights, tuple) else weights[0].to(difference.dtype)
     return (difference * lam).transpose(1, 2)
 
 
-# ---- the mix at the cost of the values it must keep ------------------------------------------------------------------
+# ---- the mix at the cost of the values it must keep -----------------------------------------------------------------
 #
 # With plain autograd ops a learnable mix keeps one extra [B, H_kv, T, D] tensor per layer (the raw V_n, for λ_self's
 # gradient), `dense` keeps every layer's concatenated stack of earlier values (O(L²) in layers), and NeuTRENO keeps the
@@ -172,6 +172,8 @@ def neutreno_correction(
 #: Row n of `ValueResidual()` (a tensor), or (λ_first, λ_self) as floats when the variant's λ are fixed.
 Weights = torch.Tensor | tuple[float, float]
 
+# Global hooks set with torch.nn.modules.module.register_module_forward_hook & co. live in private dicts of that module
+# (torch 2.6 - 2.13); they are only read here, and a name torch no longer has counts as "no hooks".
 _GLOBAL_MODULE_HOOKS = (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"
 )
@@ -189,7 +191,7 @@ def fixed_value_weights(config: ResFormerConfig) -> tuple[float, float] | None:
 
 
 def is_plain_linear(module: nn.Module) -> bool:
-    """Whether calling `module` is exactly `F.linear(x, module.weight, module.bias)`, so a fused path may use its weight.
+    """Whether calling `module` is exactly `F.linear(x, module.weight, module.bias)`: a fused path may use its weight.
 
     False for LoRA, quantised or FSDP-wrapped replacements (other classes), module hooks or a patched `forward` (tensor
     parallelism, DeepSpeed ZeRO-3, accelerate offloading) and tensor-subclass weights (DTensor): they keep the call.
@@ -314,7 +316,7 @@ def _row_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _is_our_stack_with_room(stack: torch.Tensor, values: torch.Tensor, capacity: int) -> bool:
-    """Whether `stack` is a prefix of a value buffer of `capacity` rows (made by `_DenseValues`) with a free next row."""
+    """Whether `stack` is a prefix of a `capacity`-row value buffer (made by `_DenseValues`) with a free next row."""
     shape = stack.shape
     row = values.numel() * values.element_size()
     return (
@@ -408,7 +410,10 @@ class _DenseValues(torch.autograd.Function):
         flat = _token_major(grad_mixed).reshape(-1)
         if ctx.append:
             matrix = _rows(stack_or_grown)
-            grown_grad = torch.outer(vector, flat) if grad_grown is None else torch.addr(_rows(grad_grown), vector, flat)
+            if grad_grown is None:
+                grown_grad = torch.outer(vector, flat)
+            else:  # the later layers' gradient for every row plus this layer's, in one pass
+                grown_grad = torch.addr(_rows(grad_grown), vector, flat)
             grown_grad = grown_grad.view(rows + 1, *grad_mixed.shape).as_strided(
                 stack_or_grown.shape, _row_strides(stack_or_grown.shape)
             )
@@ -492,7 +497,7 @@ def corrected_output_projection(
 ) -> torch.Tensor:
     """NeuTRENO's `o_proj(A_n V_n + λ(V_0 − V_n))` from attention output [B, T, H_q, D], keeping no extra tensor when
     `o_proj` is a plain `nn.Linear` and λ is fixed; otherwise the plain ops and the module call."""
-    if isinstance(weights, tuple) and is_plain_linear(o_proj) and not torch.is_autocast_enabled(attn_output.device.type):
+    if isinstance(weights, tuple) and is_plain_linear(o_proj):
         return _CorrectedOutputProjection.apply(
             attn_output, residual_values, own_values, o_proj.weight, o_proj.bias, weights[0], groups
         )

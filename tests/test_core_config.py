@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from helpers import TINY, tiny_config
-
 import resformer_hf
 from resformer_hf import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
+
+from helpers import TINY, tiny_config
 
 
 @pytest.mark.parametrize(
@@ -22,15 +22,18 @@ from resformer_hf import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
         ({"value_residual_layers": []}, "value_residual_layers is empty"),
         ({"value_residual": "constant", "value_residual_lambda_first": math.nan}, "value_residual_lambda_first=nan"),
         ({"value_residual": "learnable", "value_residual_lambda_self": math.inf}, "value_residual_lambda_self=inf"),
-        ({"value_residual": "learnable_plus", "value_residual_lambda_scale": -math.inf}, "value_residual_lambda_scale"),
+        ({"value_residual": "learnable_plus", "value_residual_lambda_scale": -math.inf}, "lambda_scale=-inf"),
         ({"value_residual": "neutreno", "neutreno_lambda": math.nan}, "neutreno_lambda=nan"),
         ({"value_residual": "svformer", "num_hidden_layers": 1}, "needs num_hidden_layers >= 2"),
         ({"value_residual": "identity", "value_residual_lambda_first": 0.3}, "value_residual_lambda_first is ignored"),
-        ({"value_residual": "learnable_plus", "value_residual_lambda_first": 1.0}, "is ignored by value_residual='learnable_plus'"),
+        (
+            {"value_residual": "learnable_plus", "value_residual_lambda_first": 1.0},
+            "is ignored by value_residual='learnable_plus'",
+        ),
         ({"value_residual": "none", "value_residual_layers": [1]}, "value_residual_layers is ignored"),
         ({"value_residual": "svformer", "value_residual_layers": [1]}, "value_residual_layers is ignored"),
         ({"value_residual": "constant", "neutreno_lambda": 0.2}, "neutreno_lambda is ignored"),
-        ({"value_residual": "learnable", "value_residual_lambda_scale": 3.0}, "value_residual_lambda_scale is ignored"),
+        ({"value_residual": "learnable", "value_residual_lambda_scale": 3.0}, "lambda_scale is ignored"),
     ],
 )
 def test_invalid_configs_raise_value_error_naming_the_field(overrides, message):

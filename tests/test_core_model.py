@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
+
 from helpers import TINY, model_with_random_lambdas, tiny_config
 from reference import reference_logits
 

@@ -24,7 +24,7 @@ from resformer_hf.value_residual import (
 )
 
 BATCH, LENGTH, HIDDEN, HEAD_DIM = 2, 5, 12, 3
-F64 = dict(dtype=torch.float64)
+F64 = {"dtype": torch.float64}
 
 
 def projected(matrix: torch.Tensor, heads: int) -> torch.Tensor:
@@ -80,7 +80,8 @@ class MixingLayer(nn.Module):
 
 
 def mix_first(layer: MixingLayer, params: dict, hidden, first, weights) -> torch.Tensor:
-    return functional_call(layer, {f"v_proj.{name}": value for name, value in params.items()}, (hidden, first, weights))
+    params = {f"v_proj.{name}": value for name, value in params.items()}
+    return functional_call(layer, params, (hidden, first, weights))
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
@@ -245,7 +246,8 @@ class CorrectingLayer(nn.Module):
 def test_corrected_output_projection_passes_gradcheck_and_matches_plain_ops(groups, bias):
     generator = torch.Generator().manual_seed(1)
     layer = CorrectingLayer(groups, bias)
-    params = {f"o_proj.{n}": torch.randn(p.shape, generator=generator, **F64) for n, p in layer.o_proj.named_parameters()}
+    params = {f"o_proj.{name}": torch.randn(parameter.shape, generator=generator, **F64)
+              for name, parameter in layer.o_proj.named_parameters()}
     attn_output = torch.randn(BATCH, LENGTH, 2 * groups, HEAD_DIM, generator=generator, **F64)
     first, own = (torch.randn(BATCH, LENGTH, 2 * HEAD_DIM, generator=generator, **F64) for _ in range(2))
     inputs = [t.requires_grad_() for t in (attn_output, first, own, *params.values())]
@@ -271,3 +273,22 @@ def test_corrected_output_projection_saves_no_corrected_copy():
     assert saved_storages(layer, attn_output, first, own) <= kept
     hooked(layer.o_proj)
     assert len(saved_storages(layer, attn_output, first, own) - kept) == 1  # o_proj's corrected input
+
+
+def test_corrected_output_projection_under_bf16_autocast_matches_the_plain_path():
+    results = []
+    for path in ("fused", "plain"):
+        torch.manual_seed(2)
+        layer = CorrectingLayer(groups=2, bias=True).float()
+        if path == "plain":
+            hooked(layer.o_proj)
+        attn_output = torch.randn(BATCH, LENGTH, 4, HEAD_DIM, dtype=torch.bfloat16).requires_grad_()
+        first, own = (torch.randn(BATCH, LENGTH, 2 * HEAD_DIM).bfloat16().requires_grad_() for _ in range(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(attn_output, first, own)
+        out.float().sum().backward()
+        grads = [t.grad.float() for t in (attn_output, first, own, layer.o_proj.weight, layer.o_proj.bias)]
+        assert layer.o_proj.weight.grad.dtype == torch.float32
+        results.append([out.float(), *grads])
+    for fused, plain in zip(*results):
+        assert torch.allclose(fused, plain, rtol=2e-2, atol=5e-2)

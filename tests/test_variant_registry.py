@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import model_with_random_lambdas, tiny_config
 
 import resformer_hf
 from resformer_hf import configuration_resformer as registry
 from resformer_hf.model_card import build_model_card
+
+from helpers import model_with_random_lambdas, tiny_config
 
 PACKAGE = Path(resformer_hf.__file__).parent
 
