@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import StaticCache
 
 from resformer_hf.cache_resformer import share_first_layer_values
@@ -46,6 +47,8 @@ from common import (
 
 DEFAULT_VARIANTS = ["identity", "constant", "learnable", "learnable_plus", "sparse", "dense", "svformer", "neutreno"]
 METRICS = ("step", "memory", "prefill")
+#: A second Llama, identical to the first, timed like the variants: its ratio is the run's noise floor.
+CONTROL = "llama, again"
 
 
 def goal(metric: str, variant: str, hidden: int) -> float:
@@ -82,7 +85,7 @@ class Trainer:
 
     def __init__(self, model, batch: torch.Tensor, forward=None):
         self.model = model.train()
-        self.forward = forward or model
+        self.forward = model if forward is None else forward
         self.batch = batch
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -142,6 +145,33 @@ def training_bytes_cuda(trainer: Trainer, device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device)
 
 
+class OpCensus(TorchDispatchMode):
+    """Counts the aten ops a step dispatches and the bytes their outputs write (views write none).
+
+    Exact and independent of machine load, unlike timings: what a variant adds to a step in op-dispatch overhead
+    (what dominates small models) and in memory traffic (what dominates elementwise work in large ones).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        if not func.is_view:
+            tensors = out if isinstance(out, (tuple, list)) else [out]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        return out
+
+
+def census(action) -> tuple[int, int]:
+    """(aten ops, bytes written) of one call of `action`."""
+    with OpCensus() as counter:
+        action()
+    return counter.ops, counter.bytes
+
+
 def repeats_for(action, names: list[str], args, device: torch.device) -> int:
     """Small models take milliseconds per step: time them more often so each round spans about --round-seconds."""
     probe = interleaved_medians({BASELINE: action}, 3, 1, device)[BASELINE]
@@ -164,15 +194,17 @@ def measure(hidden: int, layers: int, seq_len: int, args, device: torch.device) 
     size = size_fields(hidden, layers, args, max(args.seq_lens))
     batch = torch.randint(0, args.vocab_size, (args.batch_size, seq_len), generator=torch.Generator().manual_seed(0))
     batch = batch.to(device)
-    names = [BASELINE] + args.variants
+    names = [BASELINE, CONTROL] + args.variants
     trainers = {}
     for name in names:
         torch.manual_seed(args.seed)
-        trainers[name] = Trainer(build_model(name, device, dtype=getattr(torch, args.dtype), **size), batch)
+        variant = BASELINE if name == CONTROL else name
+        trainers[name] = Trainer(build_model(variant, device, dtype=getattr(torch, args.dtype), **size), batch)
     memory = {
         name: training_bytes_cuda(t, device) if device.type == "cuda" else training_bytes_cpu(t)
         for name, t in trainers.items()
     }
+    counts = {name: {"step": census(t.step), "prefill": census(t.prefill)} for name, t in trainers.items()}
     repeats = repeats_for(trainers[BASELINE].step, names, args, device)
     steps, step_seconds = round_robin_ratios({n: t.step for n, t in trainers.items()}, repeats, args, device)
     prefills, prefill_seconds = round_robin_ratios({n: t.prefill for n, t in trainers.items()}, repeats, args, device)
@@ -186,6 +218,7 @@ def measure(hidden: int, layers: int, seq_len: int, args, device: torch.device) 
         "prefill": {n: statistics.median(r) for n, r in prefills.items()},
         "memory": {n: memory[n] / memory[BASELINE] for n in names},
         "spread": {"step": steps, "prefill": prefills},
+        "census": counts,
     }
 
 
@@ -218,19 +251,23 @@ class CompiledDecoder:
 
 def measure_compiled(hidden: int, layers: int, args, device: torch.device) -> dict:
     """Compiled training step (forward + backward by AOTAutograd, eager AdamW) and compiled decode step vs Llama."""
+    # Every model's forward runs through the same transformers wrapper code, and dynamo caches graphs per code object:
+    # with the default limit of 8 the later models would silently fall back to eager.
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
     size = size_fields(hidden, layers, args, max(args.compile_seq_len, args.decode_context + args.decode_steps))
     generator = torch.Generator().manual_seed(0)
     batch = torch.randint(0, args.vocab_size, (args.batch_size, args.compile_seq_len), generator=generator).to(device)
-    names = [BASELINE] + args.variants
+    names = [BASELINE, CONTROL] + args.variants
     trainers, decoders, compile_seconds = {}, {}, {}
     for name in names:
         start = time.perf_counter()
+        variant = BASELINE if name == CONTROL else name
         torch.manual_seed(args.seed)
-        model = build_model(name, device, dtype=getattr(torch, args.dtype), **size)
+        model = build_model(variant, device, dtype=getattr(torch, args.dtype), **size)
         trainers[name] = Trainer(model, batch, forward=torch.compile(model))
         trainers[name].step()  # compiles forward and backward
         torch.manual_seed(args.seed)
-        decoder_model = build_model(name, device, dtype=getattr(torch, args.dtype), **size)
+        decoder_model = build_model(variant, device, dtype=getattr(torch, args.dtype), **size)
         decoders[name] = CompiledDecoder(decoder_model, args.decode_context, args.decode_steps, device)
         decoders[name].burst()  # compiles the decode step
         compile_seconds[name] = time.perf_counter() - start
@@ -264,6 +301,17 @@ def _cell(result: dict, metric: str, name: str) -> str:
     return text
 
 
+def _label(name: str) -> str:
+    return "Llama again (noise floor)" if name == CONTROL else f"`{name}`"
+
+
+def _census_cell(result: dict, kind: str, name: str) -> str:
+    """Extra aten ops per call and the ratio of bytes written, vs Llama (exact counts)."""
+    ops, written = result["census"][name][kind]
+    base_ops, base_written = result["census"][BASELINE][kind]
+    return f"{ops - base_ops:+d}, {written / base_written:.4f}"
+
+
 def command_line(args) -> str:
     flags = [("sizes", [f"{h}x{n}" for h, n in args.sizes]), ("seq_lens", args.seq_lens),
              ("batch_size", args.batch_size), ("device", args.device)]
@@ -285,8 +333,12 @@ def write_report(results: list[dict], compiled: dict | None, args, device: torch
         f"1.005, `dense` 1.03; time 1.02, from hidden 512 on 1.01, `dense` 1.05; compiled 1.01). Step = forward + "
         f"backward + AdamW, median over {args.rounds} rounds of the median of N interleaved repeats (order rotated "
         f"each repeat), with the lowest and highest of the per-round ratios in brackets (the run-to-run spread); "
-        f"prefill = no-grad forward with a fresh KV cache; memory = {memory_kind}, exact. Batch {args.batch_size}, "
-        f"vocab {args.vocab_size}, head dim {args.head_dim}, {args.dtype}.",
+        f"prefill = no-grad forward with a fresh KV cache; memory = {memory_kind}, exact. The first row times a "
+        "second, identical Llama like the variants: its ratio is the run's noise floor. Ops and bytes: the aten ops "
+        "one step (prefill) dispatches beyond Llama's and the bytes their outputs write relative to Llama's, counted "
+        "exactly with a dispatch mode, so unaffected by machine load: extra ops are what small models pay (dispatch "
+        "overhead), extra bytes what large ones pay (elementwise memory traffic). Batch "
+        f"{args.batch_size}, vocab {args.vocab_size}, head dim {args.head_dim}, {args.dtype}.",
     ]
     for r in results:
         lines += [
@@ -297,9 +349,12 @@ def write_report(results: list[dict], compiled: dict | None, args, device: torch
             f"N = {r['repeats']}.",
             "",
             markdown_table(
-                ["variant", "train step time", "training memory", "prefill time", "parameters"],
-                [[f"`{n}`", _cell(r, "step", n), _cell(r, "memory", n), _cell(r, "prefill", n),
-                  f"{r['parameters'][n] / r['parameters'][BASELINE]:.3f}"] for n in args.variants],
+                ["variant", "train step time", "training memory", "prefill time", "step: aten ops, bytes written",
+                 "prefill: aten ops, bytes written", "parameters"],
+                [[_label(n), _cell(r, "step", n),
+                  _cell(r, "memory", n), _cell(r, "prefill", n), _census_cell(r, "step", n),
+                  _census_cell(r, "prefill", n), f"{r['parameters'][n] / r['parameters'][BASELINE]:.3f}"]
+                 for n in [CONTROL, *args.variants]],
             ),
         ]
     if compiled:
@@ -315,8 +370,8 @@ def write_report(results: list[dict], compiled: dict | None, args, device: torch
             f"{min(c['compile_s'].values()):.0f}–{max(c['compile_s'].values()):.0f} s per model (both graphs).",
             "",
             markdown_table(["variant", "compiled train step", "compiled decode step"],
-                           [[f"`{n}`", _cell(c, "compiled step", n), _cell(c, "compiled decode", n)]
-                            for n in args.variants]),
+                           [[_label(n), _cell(c, "compiled step", n), _cell(c, "compiled decode", n)]
+                            for n in [CONTROL, *args.variants]]),
         ]
     lines += ["", "![cost ratios](cost.png)", ""]
     out = Path(args.out)
@@ -337,10 +392,11 @@ def readme_block(results: list[dict], compiled: dict | None, args, device: torch
         return f"**{ratio:.3f}**" if ratio > goal(metric, name, size[0]) else f"{ratio:.3f}"
 
     header = ["variant"] + [f"{m} {h}×{n}" for m in ("step", "prefill", "memory") for h, n in sizes]
-    rows = [[f"`{n}`"] + [cell(m, n, s) for m in ("step", "prefill", "memory") for s in sizes] for n in args.variants]
+    names = [CONTROL, *args.variants]
+    rows = [[_label(n)] + [cell(m, n, s) for m in ("step", "prefill", "memory") for s in sizes] for n in names]
     if compiled:
         header += ["compiled step", "compiled decode"]
-        for row, name in zip(rows, args.variants):
+        for row, name in zip(rows, names):
             row += [_cell({**compiled, "spread": {}}, metric, name) for metric in ("compiled step", "compiled decode")]
     seqs = "/".join(map(str, args.seq_lens))
     text = [
@@ -351,7 +407,8 @@ def readme_block(results: list[dict], compiled: dict | None, args, device: torch
         f"each size (hidden × layers), batch {args.batch_size}, {device.type}"
         + (f", {args.threads} thread" + ("s" if args.threads > 1 else "") if args.threads else "")
         + ". Bold marks a ratio above the goal (memory 1.005, `dense` 1.03; time 1.02, 1.01 from hidden 512, `dense` "
-        "1.05; compiled 1.01); `cost.md` gives each ratio's run-to-run spread."
+        "1.05; compiled 1.01). The first row is a second, identical Llama timed the same way: the noise floor of the "
+        "run. `cost.md` adds each ratio's run-to-run spread and the exact count of extra ops and bytes per step."
         + (f" Compiled: `torch.compile`d training step at {compiled['hidden']}×{compiled['layers']}, sequence "
            f"{compiled['seq_len']}, and decode step with a static cache of {compiled['context']} tokens, vs compiled "
            "Llama." if compiled else ""),

@@ -231,6 +231,13 @@ def _pair(weights: Weights, layer_idx: int, dtype: torch.dtype):
     return weights[0].to(dtype), weights[layer_idx].to(dtype)
 
 
+def _scaled(tensor: torch.Tensor, scale, in_place: bool = False) -> torch.Tensor:
+    """`tensor * scale`, skipping the pass when `scale` is the float 1.0 (e.g. λ_self of `constant` and `sparse`)."""
+    if isinstance(scale, float) and scale == 1.0:
+        return tensor
+    return tensor.mul_(scale) if in_place else tensor * scale
+
+
 class _ProjectAndMixFirst(torch.autograd.Function):
     """`V'_n = a·V_0 + b·(h Wᵀ + bias)`: layer n's value projection and the mix in one GEMM.
 
@@ -249,7 +256,7 @@ class _ProjectAndMixFirst(torch.autograd.Function):
         if isinstance(first_weight, float):
             mixed = torch.addmm(first, hidden, weight_c.t(), beta=first_weight, alpha=own_weight)
         else:
-            mixed = torch.mul(first, first_weight).addmm_(hidden, (weight_c * own_weight).t())
+            mixed = torch.mul(first, first_weight).addmm_(hidden, _scaled(weight_c, own_weight).t())
         if bias is not None:
             mixed = mixed.add_(bias.to(dtype) * own_weight)
         fixed = isinstance(weights, tuple)
@@ -265,13 +272,13 @@ class _ProjectAndMixFirst(torch.autograd.Function):
         first_weight, own_weight = _pair(ctx.fixed or weights, ctx.layer_idx, grad.dtype)
         grad_hidden = grad_weight = grad_bias = grad_values = grad_lambdas = None
         if need_hidden:
-            grad_hidden = grad.mm(weight_c * own_weight)
+            grad_hidden = grad.mm(_scaled(weight_c, own_weight))
         if need_weight or need_lambdas:
             product = grad.t().mm(hidden)  # dV'ᵀh: the weight gradient before its λ_self factor
             if need_lambdas:
-                grad_own = (product.float() * weight_c.float()).sum()
+                grad_own = torch.dot(product.reshape(-1).float(), weight_c.reshape(-1).float())
                 grad_first = torch.dot(grad.reshape(-1), _token_major(residual_values[0]).reshape(-1)).float()
-            grad_weight = product.mul_(own_weight) if need_weight else None
+            grad_weight = _scaled(product, own_weight, in_place=True) if need_weight else None
         if bias is not None and (need_bias or need_lambdas):
             grad_sum = grad.sum(0)
             if need_lambdas:
@@ -279,7 +286,7 @@ class _ProjectAndMixFirst(torch.autograd.Function):
             grad_bias = grad_sum * own_weight if need_bias else None
         if need_values:
             grad_values = torch.zeros_like(residual_values) if residual_values.shape[0] > 1 else None
-            scaled = _heads_view(grad * first_weight, residual_values[0])
+            scaled = _heads_view(_scaled(grad, first_weight), residual_values[0])
             if grad_values is None:
                 grad_values = scaled.unsqueeze(0)
             else:

@@ -313,3 +313,24 @@ def test_the_value_residual_saves_only_the_values_it_must_keep(variant):
         assert extra < 0
     else:
         assert 0 <= extra <= lambda_bytes, extra
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "neutreno", "identity"])
+def test_compiled_training_step_gives_the_eager_gradients(variant):
+    """The fused autograd functions trace into one graph (forward and backward, AOTAutograd) with eager's gradients."""
+    import torch._dynamo
+
+    model = randomised_model(variant).train()
+    input_ids = torch.randint(3, 128, (2, 9))
+
+    def gradients(forward):
+        model.zero_grad()
+        forward(input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    eager = gradients(model)
+    torch._dynamo.reset()
+    compiled = gradients(torch.compile(model, backend="aot_eager", fullgraph=True))
+    for name, grad in eager.items():
+        assert torch.allclose(compiled[name], grad, atol=1e-6, rtol=1e-5), name
