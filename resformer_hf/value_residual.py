@@ -251,7 +251,7 @@ class _ProjectAndMixFirst(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, residual_values, weights, layer_idx):
         dtype = _compute_dtype(hidden)
         hidden, weight_c = hidden.to(dtype), weight.to(dtype)
-        first = _token_major(residual_values[0]).to(dtype)
+        first = _token_major(residual_values[0]).to(dtype)  # a view of V_0 as layer 0's v_proj wrote it
         first_weight, own_weight = _pair(weights, layer_idx, dtype)
         if isinstance(first_weight, float):
             mixed = torch.addmm(first, hidden, weight_c.t(), beta=first_weight, alpha=own_weight)
@@ -260,16 +260,18 @@ class _ProjectAndMixFirst(torch.autograd.Function):
         if bias is not None:
             mixed = mixed.add_(bias.to(dtype) * own_weight)
         fixed = isinstance(weights, tuple)
-        ctx.save_for_backward(hidden, weight, bias, residual_values, None if fixed else weights)
+        ctx.save_for_backward(hidden, weight, bias, first, *(() if fixed else (first_weight, own_weight)))
         ctx.fixed, ctx.layer_idx = weights if fixed else None, layer_idx
+        ctx.values_shape, ctx.stack_rows = residual_values.shape[1:], residual_values.shape[0]
+        ctx.lambdas_shape = None if fixed else weights.shape
         return mixed
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, residual_values, weights = ctx.saved_tensors
+        hidden, weight, bias, first, *pair = ctx.saved_tensors
+        first_weight, own_weight = ctx.fixed or pair
         need_hidden, need_weight, need_bias, need_values, need_lambdas = ctx.needs_input_grad[:5]
         weight_c = weight.to(grad.dtype)
-        first_weight, own_weight = _pair(ctx.fixed or weights, ctx.layer_idx, grad.dtype)
         grad_hidden = grad_weight = grad_bias = grad_values = grad_lambdas = None
         if need_hidden:
             grad_hidden = grad.mm(_scaled(weight_c, own_weight))
@@ -277,7 +279,7 @@ class _ProjectAndMixFirst(torch.autograd.Function):
             product = grad.t().mm(hidden)  # dV'ᵀh: the weight gradient before its λ_self factor
             if need_lambdas:
                 grad_own = torch.dot(product.reshape(-1).float(), weight_c.reshape(-1).float())
-                grad_first = torch.dot(grad.reshape(-1), _token_major(residual_values[0]).reshape(-1)).float()
+                grad_first = torch.dot(grad.reshape(-1), first.reshape(-1)).float()
             grad_weight = _scaled(product, own_weight, in_place=True) if need_weight else None
         if bias is not None and (need_bias or need_lambdas):
             grad_sum = grad.sum(0)
@@ -285,14 +287,15 @@ class _ProjectAndMixFirst(torch.autograd.Function):
                 grad_own = grad_own + (grad_sum.float() * bias.float()).sum()
             grad_bias = grad_sum * own_weight if need_bias else None
         if need_values:
-            grad_values = torch.zeros_like(residual_values) if residual_values.shape[0] > 1 else None
-            scaled = _heads_view(_scaled(grad, first_weight), residual_values[0])
-            if grad_values is None:
+            batch, heads, length, dim = ctx.values_shape
+            scaled = _scaled(grad, first_weight).view(batch, length, heads, dim).transpose(1, 2)
+            if ctx.stack_rows == 1:
                 grad_values = scaled.unsqueeze(0)
             else:
+                grad_values = scaled.new_zeros((ctx.stack_rows, *ctx.values_shape))
                 grad_values[0] = scaled
         if need_lambdas:
-            grad_lambdas = torch.zeros_like(weights)
+            grad_lambdas = grad.new_zeros(ctx.lambdas_shape, dtype=torch.float32)
             grad_lambdas[0], grad_lambdas[ctx.layer_idx] = grad_first, grad_own
         return grad_hidden, grad_weight, grad_bias, grad_values, grad_lambdas, None
 
@@ -483,10 +486,12 @@ class _CorrectedOutputProjection(torch.autograd.Function):
             grad_corrected = grad_2d.mm(weight.to(grad.dtype)).view(attn_output.shape)
             grad_output = grad_corrected if need_output else None
             batch, length, heads, dim = attn_output.shape
-            per_kv_head = grad_corrected.view(batch, length, heads // ctx.groups, ctx.groups, dim).sum(3)
-            grad_difference = (per_kv_head * ctx.lam).transpose(1, 2)  # [B, H_kv, T, D]
-            grad_values = grad_difference.unsqueeze(0) if need_values else None
-            grad_own = -grad_difference if need_own else None
+            per_kv_head = grad_corrected  # the gradient summed over each kv head's query heads, as [B, H_kv, T, D]
+            if ctx.groups > 1:
+                per_kv_head = grad_corrected.view(batch, length, heads // ctx.groups, ctx.groups, dim).sum(3)
+            per_kv_head = per_kv_head.transpose(1, 2)
+            grad_values = (per_kv_head * ctx.lam).unsqueeze(0) if need_values else None
+            grad_own = per_kv_head * -ctx.lam if need_own else None
         return grad_output, grad_values, grad_own, grad_weight, grad_bias, None, None
 
 
