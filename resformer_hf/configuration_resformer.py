@@ -228,6 +228,11 @@ class ResFormerConfig(LlamaConfig):
     """
 
     model_type = "resformer"
+    # The λ are replicated on every tensor-parallel rank, but each rank's heads give only part of their gradient:
+    # the style (registered in modeling_resformer.py) sums it over the ranks.
+    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "value_residual": "value_residual_weights"}
+    # The λ in their own FSDP2 group, so that mixed precision can gather them in float32 (see modeling_resformer.py).
+    base_model_fsdp_plan = {**LlamaConfig.base_model_fsdp_plan, "value_residual": "free_full_weight"}
     base_model_pp_plan = {
         "embed_tokens": (["input_ids"], ["inputs_embeds"]),
         "layers": (["hidden_states", "residual_values", "attention_mask"], ["hidden_states", "residual_values"]),

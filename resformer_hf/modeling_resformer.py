@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
@@ -45,11 +46,34 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, VARIANTS, ResFormerConfig
 from .value_residual import (
+    LAMBDA_CHECKPOINT_CONVERSIONS,
     ValueResidual,
     corrected_output_projection,
     dense_values,
     fixed_value_weights,
     project_and_mix_first,
+)
+
+try:  # transformers' pipeline stages put this placeholder where a layer lives on another stage
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+except ImportError:
+    PipelineIdentityLayer = ()
+if torch.distributed.is_available():
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+else:  # no torch.distributed, no tensor parallelism
+    TensorParallelLayer = object
+
+# Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
+register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
+
+PIPELINE_PARALLEL_UNSUPPORTED = (
+    "ResFormer does not support pipeline parallelism (pp_size > 1): every layer n >= 1 mixes in layer 0's values V_0 "
+    "(value_residual='dense': every earlier layer's values), which travel from layer to layer next to the hidden "
+    "states, but transformers' pipeline stages hand only the hidden states to the next stage, so later stages would "
+    "never see V_0. Use tensor parallelism (DistributedConfig(tp_size=N)) and/or FSDP2 (DistributedConfig("
+    "fsdp_size=N)) to spread the model over devices, or device_map='auto' to split its layers across the devices of "
+    "one process."
 )
 
 
@@ -235,9 +259,35 @@ class ResFormerPreTrainedModel(PreTrainedModel):
 
         Row 0 and layers that do not receive V_0 are (0, 1); `svformer` rows n >= 1 are (1, 0); `dense` gives the
         weights on V_0 and on the layer's own value; `neutreno` gives (λ, 1 - λ), the mix its correction term
-        `λ(V_0 - V_n)` would make of a token's own values.
+        `λ(V_0 - V_n)` would make of a token's own values. On a model sharded by FSDP2 or DeepSpeed ZeRO-3 the λ
+        are gathered first, so every rank must call it.
         """
         return self.base_model.value_residual.lambda_table()
+
+    @classmethod
+    def prepare_distribute_model(cls, distributed_config, device_map=None):
+        """Refuse pipeline parallelism before anything is built (see `PIPELINE_PARALLEL_UNSUPPORTED`).
+
+        A transformers hook (`DistributedMixin`): 5.23's `from_pretrained` calls it with `distributed_config` (a
+        `DistributedConfig` or a dict) before it builds the device mesh and the model.
+        """
+        if isinstance(distributed_config, dict):
+            pp_size = distributed_config.get("pp_size")
+        else:
+            pp_size = getattr(distributed_config, "pp_size", None)
+        if pp_size is not None and pp_size > 1:
+            raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)
+        return super().prepare_distribute_model(distributed_config, device_map=device_map)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision` (see
+        `_gather_in_float32`). A transformers hook (`DistributedMixin`): 5.23's `from_pretrained` calls it once the
+        model is built (on the meta device), before the weights are loaded."""
+        model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
+            _gather_in_float32(model.base_model.value_residual)
+        return model
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
         """Refuse a checkpoint of the other value-projection layout instead of dropping or random-initialising v_proj.
@@ -318,6 +368,8 @@ class ResFormerModel(ResFormerPreTrainedModel):
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if isinstance(self.layers[0], PipelineIdentityLayer) or isinstance(self.norm, PipelineIdentityLayer):
+            raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)  # split by transformers' pipeline stages
 
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
@@ -389,6 +441,62 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
         user_defined = getattr(cache, "_is_user_defined", False)
         if self.config.layers_without_value_projection and cache is not None and not user_defined:
             share_first_layer_values(cache)
+
+
+class _SumGradientOverRanks(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the process group."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ValueResidualTensorParallel(TensorParallelLayer):
+    """Tensor-parallel style of the λ module (`"value_residual_weights"`): replicated λ, summed weight gradients.
+
+    Every rank holds all λ, but mixes values only on its own kv heads, so its gradient of the mixing weights is its
+    heads' share. The shares are summed over the ranks in backward, before they reach the λ: every rank then gets the
+    complete λ gradient, and micro-batches accumulate correctly. (transformers' `replicated_with_grad_allreduce`
+    all-reduces each parameter's accumulated `.grad` after every backward pass instead, which adds the earlier
+    micro-batches' already-summed gradients again under gradient accumulation.)
+    """
+
+    def transform_output_post_forward(self, module, output, mesh):
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            return output
+        return _SumGradientOverRanks.apply(output, mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp"))
+
+
+if torch.distributed.is_available():
+    ALL_PARALLEL_STYLES.register("value_residual_weights", ValueResidualTensorParallel())
+
+
+def _gather_in_float32(value_residual: nn.Module) -> None:
+    """Switch the FSDP2 group of the λ (their own group, `base_model_fsdp_plan`) to gather them in float32.
+
+    transformers' `fsdp_mixed_precision` gives every group one bfloat16 policy, though the λ are meant to stay
+    float32 (`_keep_in_fp32_modules_strict`), as the torch recipe `fully_shard(value_residual,
+    mp_policy=MixedPrecisionPolicy())` keeps them. FSDP2 has no public setter for a group's policy, so this sets the
+    private attributes torch 2.13's FSDP2 reads it from (`FSDPState._mp_policy`, `FSDPParamGroup.mp_policy`,
+    `FSDPParam.mp_policy`); the group reads them at its first forward, which is after this.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    state = fully_shard.state(value_residual)
+    group = state._fsdp_param_group if state is not None else None
+    if group is None:  # fixed λ (no parameters), or an `fsdp_plan` that left the λ in their parent's group
+        return
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    state._mp_policy = group.mp_policy = policy
+    for parameter in group.fsdp_params:
+        parameter.mp_policy = policy
 
 
 _PROJECTION_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.")

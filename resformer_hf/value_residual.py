@@ -7,12 +7,22 @@ Imports only torch and transformers (copied for `trust_remote_code`).
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
+from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
+else:  # builds without torch.distributed have no sharded tensors
+    DTensor = ()
 
 
 class ValueResidual(nn.Module):
@@ -45,7 +55,9 @@ class ValueResidual(nn.Module):
             self.lambda_self_offset = nn.Parameter(torch.zeros(n))
         elif self.parameterisation == SOFTMAX:
             self.lambda_logits = nn.Parameter(torch.zeros(n))
-            self.lambda_scale_offset = nn.Parameter(torch.zeros(()))
+            # Shape [1], not a 0-dim scalar: FSDP2 and DeepSpeed ZeRO refuse 0-dim parameters. Checkpoints that saved
+            # it as a scalar still load (`LAMBDA_CHECKPOINT_CONVERSIONS`, `_load_from_state_dict`).
+            self.lambda_scale_offset = nn.Parameter(torch.zeros(1))
             self.lambda_self_offset = nn.Parameter(torch.zeros(n))
         elif self.parameterisation == DENSE:
             # Row r: offsets of receiving layer receivers[r] on the raw values V_0 .. V_{L-1}; columns > layer unused.
@@ -64,16 +76,21 @@ class ValueResidual(nn.Module):
         if self.fixed_weights is not None:
             self.fixed_weights.copy_(self.mixing_weights(self.fixed_weights.device))
 
-    def _receiver_pairs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(λ_first, λ_self) of each receiving layer, as differentiable tensors of shape [len(receivers)]."""
+    def _receiver_pairs(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(λ_first, λ_self) of each receiving layer, as differentiable float32 tensors of shape [len(receivers)].
+
+        Offsets are upcast before the initial values are added: engines that hand the module bfloat16 copies of its
+        parameters (DeepSpeed bf16) then round only the small offsets, never λ itself (bf16 holds 32.3 as 32.25).
+        """
         if self.parameterisation == PAIR:
-            return self.lambda_first_offset + self.lambda_first_init, self.lambda_self_offset + self.lambda_self_init
+            first, own = self.lambda_first_offset.float(), self.lambda_self_offset.float()
+            return first + self.lambda_first_init, own + self.lambda_self_init
         if self.parameterisation == SOFTMAX:
-            scale = self.lambda_scale_offset + self.lambda_scale_init
-            return scale * torch.softmax(self.lambda_logits, dim=0), self.lambda_self_offset + self.lambda_self_init
-        n = len(self.receivers)
-        exact = dict(device=device, dtype=torch.float32)  # not the default dtype: bf16 would round 0.4 to 0.4004
-        return torch.full((n,), self.lambda_first_init, **exact), torch.full((n,), self.lambda_self_init, **exact)
+            scale = self.lambda_scale_offset.float() + self.lambda_scale_init
+            first = scale * torch.softmax(self.lambda_logits.float(), dim=0)
+            return first, self.lambda_self_offset.float() + self.lambda_self_init
+        n = len(self.receivers)  # float32 like `like`, not the default dtype: bf16 would round 0.4 to 0.4004
+        return like.new_full((n,), self.lambda_first_init), like.new_full((n,), self.lambda_self_init)
 
     def _device(self) -> torch.device:
         parameter = next(self.parameters(), None)
@@ -91,9 +108,13 @@ class ValueResidual(nn.Module):
 
     def mixing_weights(self, device: torch.device) -> torch.Tensor:
         """`forward()`'s matrix computed afresh on `device`, always float32 (whatever the default dtype is while
-        transformers builds the model, e.g. `from_pretrained(..., dtype=torch.bfloat16)`)."""
+        transformers builds the model, e.g. `from_pretrained(..., dtype=torch.bfloat16)`).
+
+        DeepSpeed's `zero.Init` turns every floating tensor that `torch.zeros`/`full`/`tensor` create into its training
+        dtype, even when float32 is asked for; `.float()` and `new_full` are not patched, so the matrix stays exact.
+        """
         size = (self.num_layers, self.num_layers)
-        weights = torch.zeros(size, device=device, dtype=torch.float32)
+        weights = torch.zeros(size, device=device, dtype=torch.float32).float()
         if not self.receivers:
             return weights
         receivers = torch.tensor(self.receivers, device=device, dtype=torch.long)
@@ -103,7 +124,7 @@ class ValueResidual(nn.Module):
             init = (columns[None, :] == 0).float() * self.lambda_first_init
             init = init + (columns[None, :] == receivers[:, None]).float() * self.lambda_self_init
             return weights.index_put((receivers,), (init + self.dense_weight_offset.float()) * mask)
-        first, own = self._receiver_pairs(device)
+        first, own = self._receiver_pairs(weights)
         weights = weights.index_put((receivers, torch.zeros_like(receivers)), first.float())
         return weights.index_put((receivers, receivers), own.float())
 
@@ -114,7 +135,8 @@ class ValueResidual(nn.Module):
         Plain layers are (0, 1); a layer that reuses V_0 is (1, 0); a correcting layer shows its λ as (λ, 1 − λ), the
         mix its correction `λ(V_0 − V_n)` makes of a token's own values.
         """
-        weights = self.forward().cpu()
+        with gathered_parameters(self):
+            weights = self.forward().cpu()
         table = torch.zeros(self.num_layers, 2, dtype=torch.float32)
         for layer, role in enumerate(self.roles):
             if role == PLAIN:
@@ -129,6 +151,72 @@ class ValueResidual(nn.Module):
 
     def extra_repr(self) -> str:
         return f"parameterisation={self.parameterisation!r}, receivers={self.receivers}"
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # torch's `load_state_dict` (Trainer resume, PEFT, DeepSpeed ZeRO-3 loading) of an old 0-dim λ_scale.
+        key = f"{prefix}lambda_scale_offset"
+        if key in state_dict and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class LambdaScaleToVector(ConversionOps):
+    """Checkpoint conversion: a λ_scale offset saved as a 0-dim scalar becomes the shape-[1] parameter, same value.
+
+    A 1-D tensor passes unchanged, so saving (which applies the reverse, this op again) writes the new layout. When
+    `from_pretrained` shards the parameter (FSDP2 through `distributed_config`), the loader treats a 0-dim tensor as
+    one slice along the parameter's first dim, like one expert of a stacked MoE weight, and hands each rank only the
+    slices it owns: the rank that owns it gets the scalar, the others an empty list and an empty local shard.
+    """
+
+    @torch.no_grad()
+    def convert(self, input_dict: dict, source_patterns: list[str], target_patterns: list[str], **kwargs) -> dict:
+        (tensors,) = input_dict.values()
+        tensors = tensors if isinstance(tensors, list) else [tensors]
+        local = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.float32)
+        return {target_patterns[0]: local}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return self
+
+
+#: Weight conversions `from_pretrained` applies to a ResFormer checkpoint (registered for the model type).
+LAMBDA_CHECKPOINT_CONVERSIONS = [
+    WeightConverter(
+        "value_residual.lambda_scale_offset", "value_residual.lambda_scale_offset", [LambdaScaleToVector()]
+    )
+]
+
+
+@contextlib.contextmanager
+def gathered_parameters(module: nn.Module) -> Iterator[None]:
+    """Within the block, `module`'s own parameters are whole on every rank, whichever engine sharded them.
+
+    FSDP2 keeps them as sharded DTensors between forward passes (they are swapped for their full tensors here); ZeRO-3
+    keeps a placeholder and a partition per rank (gathered with DeepSpeed's `GatheredParameters`). Tensor parallelism
+    replicates them already. Gathering is a collective: every rank must enter the block. Read-only: changes are lost.
+    """
+    parameters = dict(module.named_parameters(recurse=False))
+    partitioned = [parameter for parameter in parameters.values() if hasattr(parameter, "ds_id")]
+    with _zero3_gathered(partitioned):
+        sharded = {name: parameter for name, parameter in parameters.items() if isinstance(parameter, DTensor)}
+        module._parameters.update({name: nn.Parameter(p.detach().full_tensor(), False) for name, p in sharded.items()})
+        try:
+            yield
+        finally:
+            module._parameters.update(sharded)
+
+
+def _zero3_gathered(parameters: list[nn.Parameter]):
+    """DeepSpeed's gather for ZeRO-3-partitioned parameters (they carry a `ds_id`), or a no-op when there are none.
+
+    Parameters with a `ds_id` were partitioned by DeepSpeed, so it is already imported; it is looked up rather than
+    imported, since this file may import only torch and transformers (it is copied for `trust_remote_code`).
+    """
+    if not parameters:
+        return contextlib.nullcontext()
+    return sys.modules["deepspeed"].zero.GatheredParameters(parameters)
 
 
 def mix_values(

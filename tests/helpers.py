@@ -5,8 +5,11 @@ Imported by name (`from helpers import ...`); pytest puts `tests/` on `sys.path`
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
-from transformers import Trainer
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel, Trainer
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.examples.finetune import BLOCK_SIZE, TEXT_CHARS, VOCAB_SIZE, build_model, training_arguments
@@ -42,6 +45,17 @@ def model_with_random_lambdas(config: ResFormerConfig, bound: float = 0.4) -> Re
     return model
 
 
+def save_with_scalar_lambda_scale(model: PreTrainedModel, folder: str | Path) -> None:
+    """Save `model` as checkpoints were written before λ became at least 1-D: `lambda_scale_offset` as a 0-dim
+    tensor (one safetensors file)."""
+    model.save_pretrained(folder)
+    path = Path(folder) / "model.safetensors"
+    tensors = load_file(path)
+    key = "model.value_residual.lambda_scale_offset"
+    tensors[key] = tensors[key].reshape(())
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def example_data():
     """(tokenizer, block dataset) of the fine-tuning example: the same text, tokenizer and blocks it trains on."""
     text = sample_text(TEXT_CHARS)
@@ -61,6 +75,7 @@ __all__ = [
     "build_model",
     "example_data",
     "model_with_random_lambdas",
+    "save_with_scalar_lambda_scale",
     "step_losses",
     "tiny_config",
     "training_arguments",

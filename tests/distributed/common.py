@@ -1,0 +1,126 @@
+"""The training run every engine is compared on, shared by the distributed workers and the single-process reference.
+
+The workers in this folder run under `torchrun --nproc_per_node 2` (gloo on CPU); `tests/test_distributed.py` writes
+the checkpoints and the batch they read, runs the same steps in one process, and compares the JSON they write. An
+engine plugs in through `Engine`: how it runs backward and the optimiser step, and how it reads a full (gathered)
+parameter or gradient from its shards. Everything else is identical on both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STEPS = 3
+LEARNING_RATE = 1e-2
+#: Models every engine trains: the plain Llama control and the ResFormer variants the issue names.
+MODELS = ("llama", "learnable_plus", "svformer", "dense")
+
+
+def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The λ parameters by name (empty for a plain Llama or a fixed variant)."""
+    module = getattr(model.base_model, "value_residual", None)
+    return dict(module.named_parameters()) if module is not None else {}
+
+
+def lambda_table(model: torch.nn.Module) -> list | None:
+    """`value_residual_lambdas()` as a list, None for a plain Llama."""
+    return model.value_residual_lambdas().tolist() if hasattr(model, "value_residual_lambdas") else None
+
+
+def load_batch(folder: str | Path) -> torch.Tensor:
+    return torch.tensor(json.loads((Path(folder) / "batch.json").read_text()))
+
+
+class Engine:
+    """One process, no sharding: the reference. Workers override what their engine does differently."""
+
+    world_size = 1
+    rank = 0
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def full(self, parameter: torch.Tensor) -> torch.Tensor:
+        return parameter.detach()
+
+    def full_grad(self, parameter: torch.nn.Parameter) -> torch.Tensor:
+        return parameter.grad.detach()
+
+    def mean(self, value: torch.Tensor) -> float:
+        return value.item()
+
+    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        """This process's share of the global batch (data-parallel engines split it by rank)."""
+        return batch
+
+
+class DataParallel(Engine):
+    """Sharded data parallel (FSDP2, ZeRO): each rank trains on its share of the global batch and the engine averages
+    the gradients; the reported loss is the mean over ranks, the global batch's loss."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+
+    def local_batch(self, batch: torch.Tensor) -> torch.Tensor:
+        return batch.chunk(self.world_size)[self.rank]
+
+    def mean(self, value: torch.Tensor) -> float:
+        value = value.clone()
+        dist.all_reduce(value)
+        return value.item() / self.world_size
+
+
+def train(engine: Engine, batch: torch.Tensor) -> dict:
+    """`STEPS` AdamW steps on `batch`: per-step losses, λ gradients of the first step, λ and λ table after."""
+    model = engine.model
+    record = {"table_before": lambda_table(model), "losses": []}
+    input_ids = engine.local_batch(batch)
+    for index in range(STEPS):
+        loss = engine.forward(input_ids)
+        engine.backward(loss)
+        if index == 0:
+            record["grads"] = {
+                name: engine.full_grad(parameter).float().flatten().tolist()
+                for name, parameter in lambda_parameters(model).items()
+            }
+        engine.step()
+        record["losses"].append(engine.mean(loss.detach().float()))
+    record["lambdas"] = {
+        name: engine.full(parameter).float().flatten().tolist() for name, parameter in lambda_parameters(model).items()
+    }
+    record["table_after"] = lambda_table(model)
+    return record
+
+
+def attempt(results: dict, key: str, function: Callable[[], dict], out: str | Path) -> None:
+    """Run one check and record what it returned, or the exception (type, message, traceback) it raised, so that one
+    failing check does not hide the others. Rank 0 rewrites `out` after every check: the JSON the parent test reads
+    survives a later check that breaks the process group. `CHECKS=prefix,...` runs only the checks named so (when
+    debugging a worker by hand)."""
+    if not key.startswith(tuple(os.environ.get("CHECKS", "").split(","))):
+        return
+    try:
+        results[key] = function()
+    except Exception as error:  # noqa: BLE001  (the parent test asserts on what happened)
+        results[key] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
+    if int(os.environ.get("RANK", 0)) == 0:
+        Path(out).write_text(json.dumps(results, indent=1))
