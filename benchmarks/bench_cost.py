@@ -51,6 +51,20 @@ METRICS = ("step", "memory", "prefill")
 CONTROL = "llama, again"
 
 
+#: How the value residual stays at Llama's cost; quoted in cost.md and the README block this script writes.
+HOW = (
+    "The mix keeps no tensor beyond Llama's (`resformer_hf/value_residual.py`): a mixing layer's v_proj and the mix "
+    "run as one GEMM (`V' = a·V_0 + h(b·W)ᵀ`) whose custom backward saves only h, W and V_0, which q/k_proj and layer "
+    "0 keep anyway, and gets λ_self's gradient `<dV', V_n> = <dV'ᵀh, W>` exactly from the product the weight gradient "
+    "needs anyway; `dense` keeps every layer's raw values once, in one buffer whose prefixes are the per-layer stacks "
+    "(O(L), still passed positionally for reentrant checkpointing); NeuTRENO recomputes o_proj's corrected input in "
+    "backward instead of keeping it. Where v_proj / o_proj is not a plain `nn.Linear` (LoRA, quantised, tensor "
+    "parallel, hooked or offloaded) the plain ops run and keep one extra `[B, H_kv, T, D]` tensor per layer. Train "
+    "with `use_cache=False`: otherwise transformers builds a KV cache in training too, attention keeps the cache's "
+    "copies of the values (Llama as well), and V_0 is then kept once more."
+)
+
+
 def goal(metric: str, variant: str, hidden: int) -> float:
     """The ratio to Llama a variant should stay within (issue 15); cells above it are bold."""
     keeps_all = variant in VARIANTS and VARIANTS[variant].keeps_every_layers_values
@@ -339,6 +353,8 @@ def write_report(results: list[dict], compiled: dict | None, args, device: torch
         "exactly with a dispatch mode, so unaffected by machine load: extra ops are what small models pay (dispatch "
         "overhead), extra bytes what large ones pay (elementwise memory traffic). Batch "
         f"{args.batch_size}, vocab {args.vocab_size}, head dim {args.head_dim}, {args.dtype}.",
+        "",
+        HOW,
     ]
     for r in results:
         lines += [
@@ -408,7 +424,8 @@ def readme_block(results: list[dict], compiled: dict | None, args, device: torch
         + (f", {args.threads} thread" + ("s" if args.threads > 1 else "") if args.threads else "")
         + ". Bold marks a ratio above the goal (memory 1.005, `dense` 1.03; time 1.02, 1.01 from hidden 512, `dense` "
         "1.05; compiled 1.01). The first row is a second, identical Llama timed the same way: the noise floor of the "
-        "run. `cost.md` adds each ratio's run-to-run spread and the exact count of extra ops and bytes per step."
+        "run. `cost.md` adds each ratio's run-to-run spread and the exact count of extra ops and bytes per step. "
+        + HOW
         + (f" Compiled: `torch.compile`d training step at {compiled['hidden']}×{compiled['layers']}, sequence "
            f"{compiled['seq_len']}, and decode step with a static cache of {compiled['context']} tokens, vs compiled "
            "Llama." if compiled else ""),

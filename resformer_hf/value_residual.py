@@ -256,6 +256,8 @@ def neutreno_correction(
 # tensors that the projections, attention or layer 0 keep anyway, and compute gradients exactly (no recomputation by
 # division). Two of them use a projection's weight directly; they are used only when calling the module is exactly
 # `F.linear` (see `is_plain_linear`), and the modeling code calls the module and the plain ops above otherwise.
+# "Keep anyway" assumes training without a KV cache (`use_cache=False`): with one, attention saves the cache's copies
+# of the values instead (Llama's too), and V_0 is kept once more.
 
 #: Row n of `ValueResidual()` (a tensor), or (λ_first, λ_self) as floats when the variant's λ are fixed.
 Weights = torch.Tensor | tuple[float, float]
@@ -538,7 +540,10 @@ def dense_values(
     """A `dense` layer's attention values and the stack it passes on: `Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n` when it
     mixes (else V_n itself), and the stack of raw values with V_n appended when a later layer reads it.
 
-    `capacity` is the number of rows the stack can reach (every later reader's index); layer 0 passes `None`.
+    `capacity` is the number of rows the stack can reach (the last reading layer's index); layer 0 passes `None` as
+    `residual_values` and allocates the buffer, once per forward pass. A layer writes only its own row, so a decoder
+    layer must not run twice on the same stack with different inputs in one graph (activation checkpointing's
+    recompute writes the same values again, which is fine).
     """
     values, grown = _DenseValues.apply(own_values, residual_values, weights, layer_idx, capacity, mix, append)
     return values, (grown if append else residual_values)
