@@ -11,11 +11,11 @@ Ratios to Llama are measured in the same run. Goal: SVFormer's cache is exactly 
   CUDA), minus what the process held before generate. Cache bytes are `resformer_hf.cache_nbytes` of the returned
   cache (shared storage counted once).
 - Decode tokens/s: timing whole generate() calls in separate processes on a shared machine measures the neighbours,
-  so all three models are prefilled once in one process, with the cache generate() would build, and then take turns
-  decoding bursts of tokens through it (the forward generate() runs per step), the cache cropped back after each
-  burst; medians over the bursts.
+  so all three models are prefilled once in one process, with the cache generate() would build (the default dynamic
+  cache, and a static cache as `cache_implementation="static"` builds it), and then take turns decoding bursts of
+  tokens through it (the forward generate() runs per step), the cache rewound after each burst; medians over bursts.
 
-Writes `benchmarks/results/svformer_cache.{md,png}`.
+Writes `benchmarks/results/svformer_cache.{md,png}` and the README's SVFormer table (`<!-- svformer-cache:... -->`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,25 @@ import time
 from pathlib import Path
 
 import torch
-from common import BASELINE, RESULTS_DIR, add_device_args, build_model, environment_line, interleaved_medians
-from common import markdown_table, pyplot, setup_device
+from transformers import StaticCache
+
+from resformer_hf.cache_resformer import share_first_layer_values
+
+from common import (
+    BASELINE,
+    RESULTS_DIR,
+    add_device_args,
+    build_model,
+    environment_line,
+    interleaved_medians,
+    markdown_table,
+    pyplot,
+    rewrite_readme_block,
+    setup_device,
+)
 
 MODELS = [BASELINE, "learnable_plus", "svformer"]
+CACHES = ("dynamic", "static")
 MIB = 2**20
 
 
@@ -54,7 +69,7 @@ class PeakRss:
             self.peak = max(self.peak, self.process.memory_info().rss)
             time.sleep(self.interval_s)
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self.baseline = self.peak = self.process.memory_info().rss
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -67,7 +82,7 @@ class PeakRss:
 
 
 def measure_memory(job: dict) -> dict:
-    """Prefill `context` random tokens and greedily decode `new_tokens` with generate(); report cache bytes and peak."""
+    """Prefill `context` random tokens and greedily decode `new_tokens` with generate(); cache bytes and peak."""
     import resformer_hf
 
     device = setup_device(argparse.Namespace(device=job["device"], threads=job["threads"]))
@@ -75,7 +90,7 @@ def measure_memory(job: dict) -> dict:
     prompt = random_prompt(job, device)
     greedy = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
-        model.generate(prompt[:, :16], max_new_tokens=4, **greedy)  # one-time costs (kernels, allocator) out of the way
+        model.generate(prompt[:, :16], max_new_tokens=4, **greedy)  # one-time costs (kernels, allocator) first
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -100,23 +115,44 @@ def random_prompt(job: dict, device: torch.device) -> torch.Tensor:
     return prompt.to(device)
 
 
+def generation_cache(model, kind: str, max_cache_len: int):
+    """The cache generate() builds: None (the model's default dynamic cache) or a static cache, with SVFormer's values
+    stored once as `cache_implementation="static"` makes it."""
+    if kind == "dynamic":
+        return None
+    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if getattr(model.config, "layers_without_value_projection", None):
+        share_first_layer_values(cache)
+    return cache
+
+
+def rewind(cache, kind: str, steps: int) -> None:
+    """Back to the prompt, so every burst decodes at the same context length."""
+    if kind == "dynamic":
+        cache.crop(-steps)
+    else:  # a static cache keeps its buffers; positions past the counter are masked and overwritten next time
+        for layer in cache.layers:
+            layer.cumulative_length.sub_(steps)
+
+
 @torch.inference_mode()
-def decode_speeds(job: dict, repeats: int) -> dict[str, float]:
-    """Median decode tokens/s of each model at one context, the models taking turns burst by burst."""
+def decode_speeds(job: dict, repeats: int, kind: str) -> dict[str, float]:
+    """Median decode tokens/s of each model at one context with a `kind` cache, the models taking turns by burst."""
     device = setup_device(argparse.Namespace(device=job["device"], threads=job["threads"]))
     prompt = random_prompt(job, device)
     steps = job["new_tokens"]
     states = {}
     for name in MODELS:
         model = seeded_model(name, job, device)
-        out = model(prompt, use_cache=True, logits_to_keep=1)  # the cache generate() would build (model default)
+        cache = generation_cache(model, kind, job["context"] + steps)
+        out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         states[name] = (model, out.past_key_values, out.logits[:, -1:].argmax(-1))
 
     def burst(name: str) -> None:
         model, cache, token = states[name]
         for _ in range(steps):
             token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        cache.crop(-steps)  # back to the prompt, so every burst decodes at the same context length
+        rewind(cache, kind, steps)
 
     seconds = interleaved_medians({name: (lambda name=name: burst(name)) for name in MODELS}, repeats=repeats,
                                   warmup=1, device=device)
@@ -152,6 +188,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-repeats", type=int, default=1, help="fresh-process generate() runs per point")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "svformer_cache", help="path stem for .md/.png")
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README's SVFormer table")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if len(args.new_tokens) == 1:
@@ -186,11 +223,12 @@ def collect(args: argparse.Namespace) -> dict[tuple[str, int], dict]:
         for _ in range(args.memory_repeats):
             for name in MODELS:
                 memory[name].append(run_in_fresh_process({**job, "model": name}))
-        speeds = decode_speeds(job, repeats=args.repeats)
+        speeds = {kind: decode_speeds(job, repeats=args.repeats, kind=kind) for kind in CACHES}
         for name in MODELS:
             runs = memory[name]
             results[name, context] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-            results[name, context]["decode_tok_s"] = speeds[name]
+            for kind in CACHES:
+                results[name, context][f"decode_tok_s_{kind}"] = speeds[kind][name]
             print(f"context {context} {name}: {results[name, context]}", flush=True)
     return results
 
@@ -206,19 +244,23 @@ def report(args: argparse.Namespace, medians: dict) -> str:
                 context, name,
                 f"{m['cache_bytes'] / MIB:.2f}", f"{m['cache_bytes'] / base['cache_bytes']:.4f}",
                 f"{m['peak_delta_bytes'] / MIB:.1f}", f"{m['peak_delta_bytes'] / base['peak_delta_bytes']:.3f}",
-                f"{m['decode_tok_s']:.1f}", f"{m['decode_tok_s'] / base['decode_tok_s']:.3f}",
+                *(cell for kind in CACHES for cell in (
+                    f"{m[f'decode_tok_s_{kind}']:.1f}",
+                    f"{m[f'decode_tok_s_{kind}'] / base[f'decode_tok_s_{kind}']:.3f}",
+                )),
             ])
-    header = ["context", "model", "cache MiB", "cache / Llama", "generate peak MiB", "peak / Llama", "decode tok/s",
-              "tok/s / Llama"]
+    header = ["context", "model", "cache MiB", "cache / Llama", "generate peak MiB", "peak / Llama",
+              "decode tok/s (dynamic)", "/ Llama", "decode tok/s (static)", "/ Llama"]
     size = size_fields(args)
     return "\n".join([
         "# SVFormer KV cache vs Llama",
         "",
         f"Model size: hidden {args.hidden}, {args.layers} layers, {size['num_attention_heads']} query heads, "
         f"{size['num_key_value_heads']} kv heads, head dim {args.head_dim}, vocab {args.vocab_size}; batch "
-        f"{args.batch_size}, {args.dtype}, default dynamic cache; new tokens per context "
-        f"{dict(zip(args.contexts, args.new_tokens))}. Memory: one greedy `generate()` per point in a fresh process "
-        f"(median of {args.memory_repeats}); decode tok/s: median of {args.repeats} interleaved bursts.",
+        f"{args.batch_size}, {args.dtype}; new tokens per context {dict(zip(args.contexts, args.new_tokens))}. "
+        f"Memory: one greedy `generate()` per point in a fresh process with the default dynamic cache (median of "
+        f"{args.memory_repeats}); decode tok/s: median of {args.repeats} interleaved bursts through the default "
+        "dynamic cache and through a static cache (`cache_implementation=\"static\"`, sized context + new tokens).",
         f"Target cache ratio for SVFormer: (L+1)/(2L) = {target:.4f}.",
         "",
         markdown_table(header, rows),
@@ -239,8 +281,11 @@ def plot(args: argparse.Namespace, medians: dict, path: Path) -> None:
     figure, axes = plt.subplots(1, 3, figsize=(14, 4))
     for axis, (key, title) in zip(axes, metrics):
         for name in MODELS[1:]:
-            ratios = [medians[name, c][key] / medians[BASELINE, c][key] for c in args.contexts]
-            axis.plot(args.contexts, ratios, marker="o", label=name)
+            for kind in CACHES if key == "decode_tok_s" else (None,):
+                field = f"{key}_{kind}" if kind else key
+                ratios = [medians[name, c][field] / medians[BASELINE, c][field] for c in args.contexts]
+                style = "--" if kind == "static" else "-"
+                axis.plot(args.contexts, ratios, style, marker="o", label=f"{name}, {kind} cache" if kind else name)
         axis.axhline(1.0, color="grey", linestyle=":", label="Llama")
         if key != "decode_tok_s":
             axis.axhline((args.layers + 1) / (2 * args.layers), color="red", linestyle="--", label="(L+1)/(2L)")
@@ -248,10 +293,31 @@ def plot(args: argparse.Namespace, medians: dict, path: Path) -> None:
         axis.set_xticks(args.contexts, [str(c) for c in args.contexts])
         axis.set_xlabel("context (tokens)")
         axis.set_title(title)
-        axis.legend()
+        axis.legend(fontsize="small")
     figure.suptitle(f"SVFormer vs Llama, hidden {args.hidden} x {args.layers} layers ({args.device})")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+def readme_table(args: argparse.Namespace, medians: dict) -> str:
+    """The README's SVFormer table: SVFormer's ratios to Llama at each context."""
+    rows = []
+    for context in args.contexts:
+        sv, base = medians["svformer", context], medians[BASELINE, context]
+        rows.append([context, f"{sv['cache_bytes'] / base['cache_bytes']:.4f}",
+                     f"{sv['peak_delta_bytes'] / base['peak_delta_bytes']:.2f}",
+                     *(f"{sv[f'decode_tok_s_{kind}'] / base[f'decode_tok_s_{kind}']:.2f}" for kind in CACHES)])
+    kv = f"{args.kv_heads} kv heads" if args.kv_heads else "MHA"
+    threads = f"{args.threads} CPU thread" + ("s" if args.threads > 1 else "") if args.device == "cpu" else args.device
+    command = " ".join(["python benchmarks/bench_svformer_cache.py", *sys.argv[1:]])
+    return "\n".join([
+        f"Measured by `{command}` (hidden {args.hidden}, {args.layers} layers, {kv}, {args.dtype}, batch "
+        f"{args.batch_size}, {threads}; ratios to a same-size `LlamaForCausalLM` in the same run; full table and plot "
+        "in `benchmarks/results/svformer_cache.*`; this table is written by that command):",
+        "",
+        markdown_table(["context", "cache / Llama", "`generate()` peak memory / Llama",
+                        "decode tokens/s / Llama (dynamic cache)", "(static cache)"], rows),
+    ])
 
 
 def main(argv=None) -> None:
@@ -266,6 +332,9 @@ def main(argv=None) -> None:
     args.output.with_suffix(".md").write_text(text)
     plot(args, medians, args.output.with_suffix(".png"))
     print(text)
+    if not args.no_readme:
+        rewrite_readme_block("svformer-cache", readme_table(args, medians))
+        print("rewrote the README's SVFormer table")
 
 
 if __name__ == "__main__":

@@ -113,3 +113,17 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def rewrite_readme_block(name: str, text: str, readme: Path = REPO_ROOT / "README.md") -> None:
+    """Replace what README.md holds between `<!-- name:begin -->` and `<!-- name:end -->` with `text`.
+
+    Lets a benchmark regenerate the README paragraphs that quote its results in the same command that measures them.
+    """
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    content = readme.read_text(encoding="utf-8")
+    if content.count(begin) != 1 or content.count(end) != 1 or content.index(begin) > content.index(end):
+        raise SystemExit(f"{readme} needs exactly one {begin} ... {end} block for the benchmark to rewrite.")
+    head, rest = content.split(begin)
+    tail = rest.split(end)[1]
+    readme.write_text(f"{head}{begin}\n{text.strip()}\n{end}{tail}", encoding="utf-8")

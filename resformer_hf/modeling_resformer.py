@@ -47,7 +47,14 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, VARIANTS, ResFormerConfig
 from .peft_support import register_peft_target_modules
-from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, mix_values, neutreno_correction
+from .value_residual import (
+    LAMBDA_CHECKPOINT_CONVERSIONS,
+    ValueResidual,
+    corrected_output_projection,
+    dense_values,
+    fixed_value_weights,
+    project_and_mix_first,
+)
 
 try:  # transformers' pipeline stages put this placeholder where a layer lives on another stage
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
@@ -84,7 +91,17 @@ class ResFormerAttention(LlamaAttention):
         role = config.value_residual_layer_roles[layer_idx]
         self.reuses_first_values = role == REUSE
         self.applies_neutreno = role == CORRECT
-        self.mixes_values = role in (MIX, MIX_ALL)
+        self.mixes_first_values = role == MIX
+        self.mixes_all_values = role == MIX_ALL
+        # Fixed λ as floats (exact scalars in the fused GEMMs); learnable λ come in as row n of `ValueResidual()`.
+        self.fixed_value_weights = fixed_value_weights(config)
+        # Where this layer's raw values go: layer 0 starts the stack later layers read; with a dense mix, every layer
+        # that some later layer reads appends its own, into one buffer of `value_stack_rows` rows (see `dense_values`).
+        sources, receivers = config.value_residual_sources, config.value_residual_receivers
+        self.keeps_every_layers_values = config.value_residual_spec.keeps_every_layers_values
+        self.value_stack_rows = max(receivers, default=0)
+        self.starts_residual_values = layer_idx == 0 and layer_idx in sources
+        self.extends_residual_values = layer_idx in sources and layer_idx < self.value_stack_rows
         if self.reuses_first_values:
             self.v_proj = None
 
@@ -98,19 +115,29 @@ class ResFormerAttention(LlamaAttention):
         past_key_values: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Returns (attention output, attention weights, this layer's raw values V_n on the kv heads)."""
+        """Returns (attention output, attention weights, the stack of raw values for later layers)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        weights = self.fixed_value_weights or value_weights
+        own_values = None
         if self.reuses_first_values:
-            own_values = residual_values[0]
+            value_states = residual_values[0]
+        elif self.mixes_first_values:
+            value_states = project_and_mix_first(
+                hidden_states, self.v_proj, residual_values, weights, self.layer_idx, self.head_dim
+            )
         else:
-            own_values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states = own_values
-        if self.mixes_values:
-            value_states = mix_values(own_values, residual_values, value_weights, self.layer_idx)
+            own_values = value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            if self.keeps_every_layers_values and (self.mixes_all_values or self.extends_residual_values):
+                value_states, residual_values = dense_values(
+                    own_values, residual_values, value_weights, self.layer_idx, self.value_stack_rows,
+                    mix=self.mixes_all_values, append=self.extends_residual_values,
+                )
+            elif self.starts_residual_values:
+                residual_values = own_values.unsqueeze(0)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -132,13 +159,13 @@ class ResFormerAttention(LlamaAttention):
             **kwargs,
         )
         if self.applies_neutreno:
-            attn_output = attn_output + neutreno_correction(
-                residual_values[0], own_values, value_weights, self.num_key_value_groups
+            attn_output = corrected_output_projection(
+                attn_output, residual_values, own_values, self.o_proj, weights, self.num_key_value_groups
             )
-
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights, own_values
+        else:
+            attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+            attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights, residual_values
 
 
 class ResFormerDecoderLayer(GradientCheckpointingLayer):
@@ -156,10 +183,6 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # Layer 0 starts the stack of raw values later layers read; with a dense mix every later layer appends its own.
-        sources = config.value_residual_sources
-        self.starts_residual_values = layer_idx == 0 and layer_idx in sources
-        self.extends_residual_values = layer_idx > 0 and layer_idx in sources
 
     def forward(
         self,
@@ -175,7 +198,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _, own_values = self.self_attn(
+        hidden_states, _, residual_values = self.self_attn(
             hidden_states,
             residual_values,
             value_weights,
@@ -192,11 +215,6 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
         hidden_states = residual + hidden_states
-
-        if self.starts_residual_values:
-            residual_values = own_values.unsqueeze(0)
-        elif self.extends_residual_values:
-            residual_values = torch.cat((residual_values, own_values.unsqueeze(0)), dim=0)
         return hidden_states, residual_values
 
 

@@ -11,8 +11,10 @@ import math
 import torch
 
 
-def effective_weights(config, state: dict[str, torch.Tensor]) -> dict[int, dict[int, float]]:
-    """For each receiving layer n: {source layer j: weight on V_j} (j == n is the layer's own value)."""
+def effective_weights(config, state: dict[str, torch.Tensor]) -> dict[int, dict[int, float | torch.Tensor]]:
+    """For each receiving layer n: {source layer j: weight on V_j} (j == n is the layer's own value).
+
+    Learnable weights stay tensors computed from the state dict, so gradients reach λ through the reference too."""
     variant = config.value_residual
     L = config.num_hidden_layers
     if variant == "none":
@@ -33,25 +35,25 @@ def effective_weights(config, state: dict[str, torch.Tensor]) -> dict[int, dict[
     if config.value_residual_lambda_self is not None:
         self0 = config.value_residual_lambda_self
     prefix = "model.value_residual."
-    out: dict[int, dict[int, float]] = {}
+    out: dict[int, dict[int, float | torch.Tensor]] = {}
     if variant == "learnable":
         f = first0 + state[prefix + "lambda_first_offset"]
         s = self0 + state[prefix + "lambda_self_offset"]
         for r, n in enumerate(receivers):
-            out[n] = {0: float(f[r]), n: float(s[r])}
+            out[n] = {0: f[r], n: s[r]}
     elif variant == "learnable_plus":
-        scale = (config.value_residual_lambda_scale or L) + float(state[prefix + "lambda_scale_offset"])
+        scale = (config.value_residual_lambda_scale or L) + state[prefix + "lambda_scale_offset"].reshape(-1)[0]
         logits = state[prefix + "lambda_logits"].double()
         probs = torch.exp(logits) / torch.exp(logits).sum()
         s = self0 + state[prefix + "lambda_self_offset"]
         for r, n in enumerate(receivers):
-            out[n] = {0: scale * float(probs[r]), n: float(s[r])}
+            out[n] = {0: scale * probs[r], n: s[r]}
     elif variant == "dense":
         offsets = state[prefix + "dense_weight_offset"]
         for r, n in enumerate(receivers):
-            weights = {j: float(offsets[r, j]) for j in range(n + 1)}
-            weights[0] += first0
-            weights[n] += self0
+            weights = {j: offsets[r, j] for j in range(n + 1)}
+            weights[0] = weights[0] + first0
+            weights[n] = weights[n] + self0
             out[n] = weights
     elif variant == "neutreno":
         lam = 0.4 if config.neutreno_lambda is None else config.neutreno_lambda
@@ -64,6 +66,10 @@ def effective_weights(config, state: dict[str, torch.Tensor]) -> dict[int, dict[
         for n in receivers:
             out[n] = {0: first0, n: self0}
     return out
+
+
+def _scaled(coef, values: torch.Tensor) -> torch.Tensor:
+    return (coef.to(values.dtype) if torch.is_tensor(coef) else coef) * values
 
 
 def rms_norm(x, weight, eps):
@@ -106,14 +112,14 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
         v = v_own
         w = weights.get(n)
         if w is not None and config.value_residual not in ("neutreno", "svformer"):
-            v = sum(coef * raw_values[j] for j, coef in w.items())
+            v = sum(_scaled(coef, raw_values[j]) for j, coef in w.items())
         q, k = rope(q, positions, theta), rope(k, positions, theta)
         k = k.repeat_interleave(H // Hkv, dim=1)
         v_rep = v.repeat_interleave(H // Hkv, dim=1)
         scores = q @ k.transpose(-1, -2) / math.sqrt(D) + causal
         attn = torch.softmax(scores, dim=-1) @ v_rep
         if w is not None and config.value_residual == "neutreno":
-            attn = attn + w[0] * (raw_values[0] - v_own).repeat_interleave(H // Hkv, dim=1)
+            attn = attn + _scaled(w[0], (raw_values[0] - v_own).repeat_interleave(H // Hkv, dim=1))
         attn = attn.transpose(1, 2).reshape(B, T, H * D)
         x = x + attn @ state[p + "self_attn.o_proj.weight"].T
         h = rms_norm(x, state[p + "post_attention_layernorm.weight"], eps)

@@ -262,3 +262,75 @@ def test_a_checkpoint_missing_every_weight_gets_the_missing_keys_report_not_a_va
     loaded, info = ResFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert "model.layers.1.self_attn.v_proj.weight" in info["missing_keys"]
     assert "module.model.layers.1.self_attn.v_proj.weight" in info["unexpected_keys"]
+
+
+def test_every_variant_gradients_match_the_plain_reference(variant):
+    """Every parameter's gradient, λ included, against autograd through the independent reference, in float64."""
+    model = randomised_model(variant).double()
+    input_ids = torch.randint(3, 128, (2, 11))
+    cotangent = torch.randn(2, 11, TINY["vocab_size"], dtype=torch.float64)
+    (model(input_ids).logits * cotangent).sum().backward()
+    state = {name: tensor.detach().clone().requires_grad_() for name, tensor in model.state_dict().items()}
+    (reference_logits(model.config, state, input_ids) * cotangent).sum().backward()
+    for name, parameter in model.named_parameters():
+        expected = state[name].grad
+        scale = expected.abs().max().item() + 1e-3
+        assert (parameter.grad - expected).abs().max().item() <= 1e-6 * scale, name
+
+
+def saved_activation_bytes(model, input_ids) -> int:
+    """Bytes of the tensors a training forward saves for backward, each storage once, parameters excluded."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        # use_cache=False as training should: a KV cache would make attention save the cache's copies of the values
+        loss = model(input_ids, labels=input_ids, use_cache=False).loss
+    del loss
+    return sum(storages.values())
+
+
+def test_the_value_residual_saves_only_the_values_it_must_keep(variant):
+    """Exact byte accounting (not a timing): the mix keeps nothing beyond Llama's activations, bar the λ matrix;
+    `dense` keeps each receiving layer's raw values once besides the mixed ones attention keeps (O(L), not O(L²));
+    SVFormer keeps less (no v_proj in layers >= 1)."""
+    torch.manual_seed(0)
+    model = randomised_model(variant).train()
+    llama = LlamaForCausalLM(LlamaConfig(**TINY)).train()
+    input_ids = torch.randint(3, 128, (2, 32))
+    extra = saved_activation_bytes(model, input_ids) - saved_activation_bytes(llama, input_ids)
+    values_bytes = 2 * TINY["num_key_value_heads"] * 32 * (TINY["hidden_size"] // TINY["num_attention_heads"]) * 4
+    lambda_bytes = 1024  # the [L, L] mixing matrix and the few tiny tensors that build it
+    if variant == "dense":
+        assert 0 <= extra - len(model.config.value_residual_receivers) * values_bytes <= lambda_bytes, extra
+    elif variant == "svformer":
+        assert extra < 0
+    else:
+        assert 0 <= extra <= lambda_bytes, extra
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "neutreno", "identity"])
+def test_compiled_training_step_gives_the_eager_gradients(variant):
+    """The fused autograd functions trace into one graph (forward and backward, AOTAutograd) with eager's gradients."""
+    import torch._dynamo
+
+    model = randomised_model(variant).train()
+    input_ids = torch.randint(3, 128, (2, 9))
+
+    def gradients(forward):
+        model.zero_grad()
+        forward(input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    eager = gradients(model)
+    torch._dynamo.reset()
+    compiled = gradients(torch.compile(model, backend="aot_eager", fullgraph=True))
+    for name, grad in eager.items():
+        assert torch.allclose(compiled[name], grad, atol=1e-6, rtol=1e-5), name

@@ -147,8 +147,8 @@ def test_lora_trains_saves_reloads_and_merges(data, tmp_path):
     assert held_out_loss(peft_model, probe) < base_loss - 1e-3  # small: LoRA on q/v of a random tiny model
     adapted = logits(peft_model, probe)
     assert (adapted - base_logits).abs().max() > 1e-3, "training should have moved the adapter off its zero init"
-    with peft_model.disable_adapter():
-        torch.testing.assert_close(logits(peft_model, probe), base_logits, rtol=0, atol=0)  # base weights frozen
+    with peft_model.disable_adapter():  # base weights frozen; LoRA's wrapped v_proj takes the plain (unfused) mix,
+        torch.testing.assert_close(logits(peft_model, probe), base_logits, rtol=0, atol=1e-6)  # so rounding differs
     torch.testing.assert_close(peft_model.value_residual_lambdas(), lambdas_before, rtol=0, atol=0)
 
     peft_model.save_pretrained(tmp_path / "adapter")

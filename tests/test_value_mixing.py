@@ -1,0 +1,294 @@
+"""The fused value-residual autograd functions: float64 gradcheck, the plain-op fallback, saved tensors, bf16.
+
+`project_and_mix_first`, `dense_values` and `corrected_output_projection` compute the mix with custom autograd
+functions that save only what attention, the projections and layer 0 keep anyway. Each is checked here against finite
+differences (`torch.autograd.gradcheck`, float64) on every code path, against the plain autograd ops they replace, and
+for what they save; `test_core_model.py` checks the whole model against the independent reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.autograd import gradcheck
+from torch.func import functional_call
+
+from resformer_hf.value_residual import (
+    corrected_output_projection,
+    dense_values,
+    is_plain_linear,
+    mix_values,
+    neutreno_correction,
+    project_and_mix_first,
+)
+
+BATCH, LENGTH, HIDDEN, HEAD_DIM = 2, 5, 12, 3
+F64 = {"dtype": torch.float64}
+
+
+def projected(matrix: torch.Tensor, heads: int) -> torch.Tensor:
+    """A [B, T, H·D] projection output seen as [B, H, T, D] values, the layout the model hands the functions."""
+    return matrix.view(matrix.shape[0], matrix.shape[1], heads, -1).transpose(1, 2)
+
+
+def hooked(linear: nn.Linear) -> nn.Linear:
+    """The same module with a no-op forward hook: calling it is no longer plain `F.linear`, so the fallback runs."""
+    linear.register_forward_hook(lambda module, args, output: output)
+    assert not is_plain_linear(linear)
+    return linear
+
+
+def saved_storages(function, *args) -> set[int]:
+    """Data pointers of every tensor autograd saves while `function(*args)` runs."""
+    pointers = set()
+
+    def pack(tensor):
+        pointers.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        function(*args)
+    return pointers
+
+
+# ---- λ_first·V_0 + λ_self·v_proj(h) ------------------------------------------------------------------------------
+
+
+def mixing_case(kv_heads: int, bias: bool, learnable: bool, dtype=torch.float64, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    layer = MixingLayer(kv_heads, bias, dtype)
+    params = {name: torch.randn(p.shape, generator=generator).to(dtype) for name, p in layer.v_proj.named_parameters()}
+    hidden = torch.randn(BATCH, LENGTH, HIDDEN, generator=generator).to(dtype)
+    first = torch.randn(BATCH, LENGTH, kv_heads * HEAD_DIM, generator=generator).to(dtype)  # layer 0's v_proj output
+    # Row n = 2 of a [4, 4] mixing matrix: λ_first in column 0, λ_self in column 2; the other entries are unused.
+    lambdas = torch.tensor([0.7, 0.3, -1.3, 0.9], dtype=torch.float32 if dtype != torch.float64 else dtype)
+    return layer, params, hidden, first, lambdas if learnable else (0.7, -1.3)
+
+
+class MixingLayer(nn.Module):
+    """Calls `project_and_mix_first` as layer 2's attention does, so `functional_call` can make W and bias inputs."""
+
+    def __init__(self, kv_heads: int, bias: bool, dtype=torch.float64):
+        super().__init__()
+        self.kv_heads = kv_heads
+        self.v_proj = nn.Linear(HIDDEN, kv_heads * HEAD_DIM, bias=bias).to(dtype)
+
+    def forward(self, hidden, first, weights):
+        stack = projected(first, self.kv_heads).unsqueeze(0)
+        return project_and_mix_first(hidden, self.v_proj, stack, weights, 2, HEAD_DIM)
+
+
+def mix_first(layer: MixingLayer, params: dict, hidden, first, weights) -> torch.Tensor:
+    params = {f"v_proj.{name}": value for name, value in params.items()}
+    return functional_call(layer, params, (hidden, first, weights))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("learnable", [False, True])
+def test_project_and_mix_first_passes_gradcheck_and_matches_plain_ops(kv_heads, bias, learnable):
+    layer, params, hidden, first, weights = mixing_case(kv_heads, bias, learnable)
+    names = list(params)
+    inputs = [t.requires_grad_() for t in (hidden, first, *params.values(), *([weights] if learnable else []))]
+
+    def fused(hidden, first, *rest):
+        assert is_plain_linear(layer.v_proj)
+        return mix_first(layer, dict(zip(names, rest)), hidden, first, rest[len(names)] if learnable else weights)
+
+    assert gradcheck(fused, inputs)
+    own = projected(torch.nn.functional.linear(hidden, *params.values()), kv_heads)
+    first_weight, own_weight = (weights[0], weights[2]) if learnable else weights
+    expected = first_weight * projected(first, kv_heads) + own_weight * own
+    assert torch.allclose(mix_values(own, projected(first, kv_heads).unsqueeze(0), weights, 2), expected, atol=1e-12)
+    assert torch.allclose(fused(*inputs), expected, atol=1e-12)
+
+
+def run_mix(layer: MixingLayer, params, hidden, first, weights, learnable: bool):
+    """Output and every input gradient of `sum(out * ramp)` for fresh leaf copies of the inputs."""
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, first, *params.values())]
+    lambdas = weights.detach().clone().requires_grad_() if learnable else weights
+    out = mix_first(layer, dict(zip(params, leaves[2:])), leaves[0], leaves[1], lambdas)
+    (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return [out.float()] + [t.grad.float() for t in leaves] + ([lambdas.grad[[0, 2]]] if learnable else [])
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+def test_hooked_v_proj_takes_the_plain_path_with_the_same_values_and_gradients(learnable):
+    layer, params, hidden, first, weights = mixing_case(2, True, learnable)
+    fused = run_mix(layer, params, hidden, first, weights, learnable)
+    hooked(layer.v_proj)
+    plain = run_mix(layer, params, hidden, first, weights, learnable)
+    for fused_value, plain_value in zip(fused, plain):
+        assert torch.allclose(fused_value, plain_value, atol=1e-12)
+
+
+def test_fused_mix_saves_only_what_the_projections_and_layer_zero_keep():
+    """The fused path saves h, W and V_0 (all kept by q/k_proj and layer 0); plain ops also keep V_n."""
+    layer, _, hidden, first, weights = mixing_case(2, False, True)
+    hidden, first, lambdas = hidden.requires_grad_(), first.requires_grad_(), weights.requires_grad_()
+    kept = {t.untyped_storage().data_ptr() for t in (hidden, first, layer.v_proj.weight, lambdas)}
+    assert saved_storages(layer, hidden, first, lambdas) <= kept
+    hooked(layer.v_proj)
+    assert len(saved_storages(layer, hidden, first, lambdas) - kept) == 1  # the raw V_n λ_self's gradient needs
+
+
+def test_bfloat16_mix_gradients_stay_close_to_float32():
+    """bf16 sanity: the fused path's gradients are as close to fp32 as the plain bf16 ops' are."""
+    errors = {}
+    for path in ("fused", "plain"):
+        results = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            layer, params, hidden, first, weights = mixing_case(2, True, True, dtype=dtype, seed=3)
+            if path == "plain":
+                hooked(layer.v_proj)
+            results[dtype] = run_mix(layer, params, hidden, first, weights, learnable=True)
+        errors[path] = [((low - high).norm() / high.norm()).item()
+                        for low, high in zip(results[torch.bfloat16], results[torch.float32])]
+    for fused, plain in zip(errors["fused"], errors["plain"]):
+        assert fused < 2e-2 and fused <= 2 * plain + 2e-3, errors
+
+
+def test_fused_mix_under_bf16_autocast_matches_the_plain_path():
+    """Trainer(bf16=True) on CPU trains under autocast: the fused path computes in autocast's dtype like F.linear."""
+    results = []
+    for path in ("fused", "plain"):
+        layer, params, hidden, first, weights = mixing_case(2, True, True, dtype=torch.float32)
+        if path == "plain":
+            hooked(layer.v_proj)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(run_mix(layer, params, hidden, first.bfloat16(), weights, learnable=True))
+    for fused, plain in zip(*results):
+        assert torch.allclose(fused, plain, rtol=2e-2, atol=2e-2)
+
+
+# ---- dense: every layer's values, one buffer -----------------------------------------------------------------------
+
+
+def dense_chain(weights: torch.Tensor, *values: torch.Tensor, receivers=(1, 2, 3), foreign_stack: bool = False):
+    """Run `dense_values` through len(values) layers like the model does; returns every layer's attention values."""
+    stack, outputs = None, []
+    last_reader = max(receivers)
+    for layer, matrix in enumerate(values):
+        own = projected(matrix, 2)
+        if foreign_stack and stack is not None:
+            stack = stack.clone()  # e.g. a pipeline-stage boundary: not a prefix of the layer's buffer
+        mix, append = layer in receivers, layer < last_reader
+        if mix or append:  # as the model does: a layer that does neither just attends over its own values
+            own, stack = dense_values(own, stack, weights[layer], layer, last_reader, mix=mix, append=append)
+        outputs.append(own)
+    return torch.cat([output.reshape(-1) for output in outputs])
+
+
+def dense_inputs(layers: int = 4, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    weights = torch.randn(layers, layers, generator=generator, **F64).tril().requires_grad_()
+    values = [torch.randn(BATCH, LENGTH, 2 * HEAD_DIM, generator=generator, **F64).requires_grad_()
+              for _ in range(layers)]
+    return weights, values
+
+
+@pytest.mark.parametrize("receivers", [(1, 2, 3), (2, 3), (1, 2)])
+@pytest.mark.parametrize("foreign_stack", [False, True])
+def test_dense_values_pass_gradcheck_and_match_the_plain_sum(receivers, foreign_stack):
+    weights, values = dense_inputs()
+    assert gradcheck(lambda w, *v: dense_chain(w, *v, receivers=receivers, foreign_stack=foreign_stack),
+                     [weights, *values])
+    raw = [projected(matrix, 2) for matrix in values]
+    expected = [sum(weights[n, j] * raw[j] for j in range(n + 1)) if n in receivers else raw[n] for n in range(4)]
+    expected = torch.cat([e.reshape(-1) for e in expected])
+    assert torch.allclose(dense_chain(weights, *values, receivers=receivers, foreign_stack=foreign_stack), expected)
+
+
+def test_dense_layers_share_one_buffer_of_raw_values():
+    """O(L) memory: every layer's stack is a prefix of the same storage, and only that storage is saved."""
+    weights, values = dense_inputs(layers=5)
+    stack, stacks, saved = None, [], set()
+
+    def pack(tensor):
+        saved.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        for layer, matrix in enumerate(values[:-1]):
+            _, stack = dense_values(projected(matrix, 2), stack, weights[layer], layer, 4, mix=layer > 0, append=True)
+            stacks.append(stack)
+    assert len({s.untyped_storage().data_ptr() for s in stacks}) == 1
+    assert [s.shape[0] for s in stacks] == [1, 2, 3, 4]
+    assert saved <= {stacks[0].untyped_storage().data_ptr(), weights.untyped_storage().data_ptr()}
+
+
+def test_dense_values_refuse_a_stack_that_skips_layers():
+    weights, values = dense_inputs()
+    with pytest.raises(RuntimeError, match=r"dense layer 2 received a stack of 1 value tensors"):
+        dense_values(projected(values[2], 2), projected(values[0], 2).unsqueeze(0), weights[2], 2, 3, True, True)
+
+
+# ---- NeuTRENO: o_proj(A V_n + λ(V_0 − V_n)) -----------------------------------------------------------------------
+
+
+class CorrectingLayer(nn.Module):
+    """Calls `corrected_output_projection` as a NeuTRENO layer does (λ = 0.4), with its o_proj."""
+
+    def __init__(self, groups: int, bias: bool, kv_heads: int = 2):
+        super().__init__()
+        self.groups, self.kv_heads = groups, kv_heads
+        self.o_proj = nn.Linear(kv_heads * groups * HEAD_DIM, HIDDEN, bias=bias).double()
+
+    def forward(self, attn_output, first, own):
+        stack = projected(first, self.kv_heads).unsqueeze(0)
+        own = projected(own, self.kv_heads)
+        return corrected_output_projection(attn_output, stack, own, self.o_proj, (0.4, 1.0), self.groups)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_corrected_output_projection_passes_gradcheck_and_matches_plain_ops(groups, bias):
+    generator = torch.Generator().manual_seed(1)
+    layer = CorrectingLayer(groups, bias)
+    params = {f"o_proj.{name}": torch.randn(parameter.shape, generator=generator, **F64)
+              for name, parameter in layer.o_proj.named_parameters()}
+    attn_output = torch.randn(BATCH, LENGTH, 2 * groups, HEAD_DIM, generator=generator, **F64)
+    first, own = (torch.randn(BATCH, LENGTH, 2 * HEAD_DIM, generator=generator, **F64) for _ in range(2))
+    inputs = [t.requires_grad_() for t in (attn_output, first, own, *params.values())]
+
+    def corrected(attn_output, first, own, *weights):
+        return functional_call(layer, dict(zip(params, weights)), (attn_output, first, own))
+
+    assert gradcheck(corrected, inputs)
+    difference = neutreno_correction(projected(first, 2), projected(own, 2), (0.4, 1.0), groups)
+    expected = torch.nn.functional.linear((attn_output + difference).reshape(BATCH, LENGTH, -1), *params.values())
+    assert torch.allclose(corrected(*inputs), expected, atol=1e-12)
+    plain_layer = CorrectingLayer(groups, bias)
+    hooked(plain_layer.o_proj)
+    assert torch.allclose(functional_call(plain_layer, params, (attn_output, first, own)), expected, atol=1e-12)
+
+
+def test_corrected_output_projection_saves_no_corrected_copy():
+    """Fused: attention output, V_0, V_n and W only (attention and layer 0 keep the first three anyway)."""
+    layer = CorrectingLayer(groups=2, bias=False)
+    attn_output = torch.randn(BATCH, LENGTH, 4, HEAD_DIM, **F64).requires_grad_()
+    first, own = (torch.randn(BATCH, LENGTH, 2 * HEAD_DIM, **F64).requires_grad_() for _ in range(2))
+    kept = {t.untyped_storage().data_ptr() for t in (attn_output, first, own, layer.o_proj.weight)}
+    assert saved_storages(layer, attn_output, first, own) <= kept
+    hooked(layer.o_proj)
+    assert len(saved_storages(layer, attn_output, first, own) - kept) == 1  # o_proj's corrected input
+
+
+def test_corrected_output_projection_under_bf16_autocast_matches_the_plain_path():
+    results = []
+    for path in ("fused", "plain"):
+        torch.manual_seed(2)
+        layer = CorrectingLayer(groups=2, bias=True).float()
+        if path == "plain":
+            hooked(layer.o_proj)
+        attn_output = torch.randn(BATCH, LENGTH, 4, HEAD_DIM, dtype=torch.bfloat16).requires_grad_()
+        first, own = (torch.randn(BATCH, LENGTH, 2 * HEAD_DIM).bfloat16().requires_grad_() for _ in range(2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(attn_output, first, own)
+        out.float().sum().backward()
+        grads = [t.grad.float() for t in (attn_output, first, own, layer.o_proj.weight, layer.o_proj.bias)]
+        assert layer.o_proj.weight.grad.dtype == torch.float32
+        results.append([out.float(), *grads])
+    for fused, plain in zip(*results):
+        assert torch.allclose(fused, plain, rtol=2e-2, atol=5e-2)
