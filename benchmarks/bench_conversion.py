@@ -30,9 +30,10 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
 from safetensors.torch import save_file
 from transformers import LlamaConfig
+
+from common import RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
 
 RSS_GOAL = 1.5
 THROUGHPUT_GOAL = 0.5
@@ -168,7 +169,8 @@ def measure(work: Path, size: dict, shard_mb: int, repeats: int, seed: int) -> d
     convert_s = statistics.median(c["seconds"] for c in conversions)
     peak = max(c["peak"] for c in conversions)
     after_imports = statistics.median(c["after_imports"] for c in conversions)
-    return dict(shard_mb=shard_mb, shards=len(shards), largest=largest, source_bytes=source_bytes, copy_s=copy_s, buffered_s=buffered_s,
+    return dict(shard_mb=shard_mb, shards=len(shards), largest=largest, source_bytes=source_bytes, copy_s=copy_s,
+                buffered_s=buffered_s,
                 convert_s=convert_s, peak=peak, after_imports=after_imports,
                 tensors=conversions[0]["tensors"], written=conversions[0]["bytes"])
 
@@ -198,16 +200,18 @@ def write_results(rows: list[dict], size: dict, params: int, args, device) -> No
 `{command}`
 
 Synthetic Llama checkpoint: {params / 1e9:.2f} B parameters (hidden {size['hidden_size']}, {size['num_hidden_layers']}
-layers, GQA {size['num_attention_heads']}/{size['num_key_value_heads']} heads, vocab {size['vocab_size']}, untied), bf16,
-{rows[0]['source_bytes'] / gib:.2f} GiB, random tensors written directly with safetensors. Converted with the defaults
-(`variant="learnable"`, `init="preserve"`: {rows[0]['tensors']} tensors out) in a fresh process per run; median of
-{args.repeats} runs, each timed round-robin against a plain copy (`shutil.copyfile`) of the same files. Conversion is
-disk and memory work and uses no accelerator (`--device {device}` does not change it).
+layers, GQA {size['num_attention_heads']}/{size['num_key_value_heads']} heads, vocab {size['vocab_size']}, untied),
+bf16, {rows[0]['source_bytes'] / gib:.2f} GiB, random tensors written directly with safetensors.
+Converted with the defaults (`variant="learnable"`, `init="preserve"`: {rows[0]['tensors']} tensors out)
+in a fresh process per run; median of {args.repeats} runs, each timed round-robin against a plain copy
+(`shutil.copyfile`) of the same files. Conversion is disk and memory work and uses no accelerator
+(`--device {device}` does not change it).
 
 {table}
 
-- Goal peak RSS ≤ {RSS_GOAL}× the largest shard: **{'met' if met_rss else 'not met'}** ({rss_rows}). Peak RSS is the child's
-  `VmHWM`, interpreter included; "(peak − imports)" is what the conversion itself adds. The converter writes each
+- Goal peak RSS ≤ {RSS_GOAL}× the largest shard: **{'met' if met_rss else 'not met'}** ({rss_rows}).
+  Peak RSS is the child's `VmHWM`, interpreter included; "(peak − imports)" is what the conversion itself adds.
+  The converter writes each
   output file tensor by tensor (header first, each tensor read through its own short-lived `safe_open` mapping), so
   it adds about one tensor, not one shard: the largest here is the embedding, {largest_tensor / mib:.0f} MiB.
 - Goal throughput ≥ {THROUGHPUT_GOAL}× a plain copy: **{'met' if met_speed else 'not met'}** ({speed_rows}). "copy" is

@@ -28,12 +28,22 @@ import time
 from pathlib import Path
 
 import torch
-from common import BASELINE, REPO_ROOT, RESULTS_DIR, add_device_args, build_model, environment_line, markdown_table
-from common import pyplot, setup_device
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
 from resformer_hf.text import pack_blocks, split_documents, token_stream, train_tokenizer
+
+from common import (
+    BASELINE,
+    REPO_ROOT,
+    RESULTS_DIR,
+    add_device_args,
+    build_model,
+    environment_line,
+    markdown_table,
+    pyplot,
+    setup_device,
+)
 
 DEFAULT_VARIANTS = [BASELINE, "identity", "learnable", "learnable_plus", "sparse", "svformer", "neutreno"]
 DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "data" / "corpus"
@@ -278,7 +288,8 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=float, default=0.05, help="warmup fraction of the steps")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--val-tokens", type=int, default=32768,
-                        help="held-out tokens scored per evaluation: evenly spaced windows of the tail (default 32768)")
+                        help="held-out tokens scored per evaluation: evenly spaced windows of the tail "
+                        "(default 32768)")
     parser.add_argument("--eval-every", type=int, default=50, help="steps between validation evaluations")
     parser.add_argument("--analysis-sequences", type=int, default=8, help="validation windows for entropy/similarity")
     parser.add_argument("--save-dir", default=None, help="also save every trained model here (not committed)")

@@ -97,7 +97,8 @@ def environment_line(device: torch.device) -> str:
     """One line saying where and with what the numbers were measured."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'CPU'}"
     return (
-        f"Measured {_dt.date.today().isoformat()} on {where} ({device.type}, torch threads: {torch.get_num_threads()}, "
+        f"Measured {_dt.date.today().isoformat()} on {where} "
+        f"({device.type}, torch threads: {torch.get_num_threads()}, "
         f"{os.cpu_count()} cores visible), torch {torch.__version__}, transformers {transformers.__version__}, "
         f"resformer-hf {resformer_hf.__version__}."
     )

@@ -14,15 +14,14 @@ import re
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import VOCAB_SIZE, build_model
 from transformers import AutoModelForCausalLM
 
 from resformer_hf.examples import finetune
 
+from helpers import VOCAB_SIZE, build_model
 
 
 def nbytes(module: torch.nn.Module) -> int:

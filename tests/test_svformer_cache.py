@@ -8,9 +8,10 @@ import torch
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 from transformers.cache_utils import DynamicLayer
 
-from helpers import TINY
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM, cache_nbytes
 from resformer_hf.cache_resformer import share_first_layer_values
+
+from helpers import TINY
 
 LAYERS, HEADS, HEAD_DIM, FLOAT32 = 4, 4, 8, 4
 SHAPES = {"mha": dict(num_key_value_heads=4), "gqa": dict(num_key_value_heads=2)}

@@ -13,8 +13,9 @@ import math
 
 import pytest
 import torch
-from helpers import build_model, example_data, step_losses, training_arguments
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, default_data_collator
+
+from helpers import build_model, example_data, step_losses, training_arguments
 
 LR = 1e-2
 STEPS = 12
@@ -94,7 +95,9 @@ def test_resume_from_checkpoint_continues_like_an_uninterrupted_run(data, refere
     assert len(recorder.by_step) == 1 + STEPS - SAVE_STEPS  # it ran only the remaining steps
     resumed = step_losses(trainer)
     assert len(resumed) == STEPS  # the first SAVE_STEPS come from the checkpoint's trainer_state.json
-    torch.testing.assert_close(torch.tensor(resumed[SAVE_STEPS:]), torch.tensor(losses[SAVE_STEPS:]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(resumed[SAVE_STEPS:]), torch.tensor(losses[SAVE_STEPS:]), rtol=0, atol=1e-6
+    )
     torch.testing.assert_close(recorder.by_step[-1], lambdas[-1], rtol=0, atol=1e-6)
     for name, tensor in trainer.model.state_dict().items():
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=1e-6, msg=name)
