@@ -8,6 +8,7 @@ lets an interrupt clean up before exiting. Nothing has been written before that 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -37,11 +38,18 @@ def running_command() -> str | None:
     return None
 
 
+#: Loggers that warn while transformers imports optional backends (torchao 0.18's prebuilt kernels on torch 2.13,
+#: torch's pytree deprecations raised from torchao): noise a command's one-line contract must not print.
+IMPORT_NOISE_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def guard_start_up() -> None:
-    """While a command starts, make SIGINT print one line and exit 130."""
+    """While a command starts, make SIGINT print one line and exit 130, and keep import-time warnings quiet."""
     prog = running_command()
     if prog is None or threading.current_thread() is not threading.main_thread():
         return
+    for name in IMPORT_NOISE_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return  # Ctrl-C is ignored (a background job, nohup) or handled by someone else: leave it so
 
