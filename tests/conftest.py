@@ -6,12 +6,17 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One torch thread per process (the processes the tests start inherit it): the models are tiny, where more threads only
+# add synchronisation (greedy decoding 10x slower on a busy 2-core machine); `-n` runs test files side by side.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import resformer_hf  # noqa: E402,F401  (registers the Auto classes)
 from resformer_hf import VALUE_RESIDUAL_VARIANTS  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(params=VALUE_RESIDUAL_VARIANTS)

@@ -273,8 +273,10 @@ def test_rerun_removes_partials_of_dead_runs_and_names_the_others(llama, tmp_pat
 
 _STOP_WHEN_STAGED = textwrap.dedent(
     """
-    import pathlib, signal, sys, time
+    import logging, pathlib, signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if our parent ignores Ctrl-C
+    for name in ("torchao", "torch.utils._pytree"):  # as the command's start-up does (cli/startup.py)
+        logging.getLogger(name).setLevel(logging.ERROR)
     import resformer_hf.model_card as model_card
 
     real = model_card.write_model_card
