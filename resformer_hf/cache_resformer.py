@@ -168,9 +168,9 @@ def share_first_layer_values(cache: Cache) -> Cache:
 
 
 def new_dynamic_cache(config: Any) -> DynamicCache:
-    """The `DynamicCache` a model with `config` uses by default: values stored once for `value_residual="svformer"`."""
+    """The `DynamicCache` a model with `config` uses by default: values stored once when layers reuse V_0 (SVFormer)."""
     cache = DynamicCache(config=config)
-    if getattr(config, "value_residual", None) == "svformer":
+    if getattr(config, "layers_without_value_projection", None):
         share_first_layer_values(cache)
     return cache
 

@@ -1,62 +1,193 @@
 """ResFormer configuration: a `LlamaConfig` plus the value-residual fields of Zhou et al. (ACL 2025).
 
-This file is copied next to `config.json` for `trust_remote_code` loading, so it imports only `transformers`
-(and `huggingface_hub`, which transformers itself requires).
+`VARIANTS` is the one place where the paper's variants are declared: what each receiving layer does with the values
+(its *role*), how its λ are parameterised, which config fields it reads, its defaults, whether a Llama checkpoint can
+be converted to it, and the words a model card uses for it. The config turns that into per-layer facts
+(`value_residual_layer_roles`, `value_residual_sources`, ...) in the way Gemma's configs work out `layer_types`; the
+modeling, cache, conversion, card and quickstart code read those facts and never compare variant names.
+
+This file is copied next to `config.json` for `trust_remote_code` loading, so it imports only `transformers` (and
+`huggingface_hub`, which transformers itself requires).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
+# ---- the variant registry ----------------------------------------------------------------------------------------
+
+#: Roles a layer can have. Layer 0, and layers that do not receive the residual, are "plain".
+PLAIN = "plain"  # attends over its own values V_n
+MIX = "mix"  # attends over λ_first·V_0 + λ_self·V_n
+MIX_ALL = "mix_all"  # attends over Σ_j w_j·V_j, j = 0..n (the values of every earlier layer and its own)
+REUSE = "reuse"  # has no v_proj; attends over V_0 itself
+CORRECT = "correct"  # attends over V_n, then adds λ·(V_0 − V_n) to the attention output
+
+#: How learnable λ are parameterised (see `value_residual.ValueResidual`).
+FIXED = "fixed"  # constants from the config
+PAIR = "pair"  # one learnable (λ_first, λ_self) per receiving layer
+SOFTMAX = "softmax"  # λ_first = λ_scale·softmax(logits) over receiving layers, learnable λ_self per layer
+DENSE = "dense"  # one learnable weight per (receiving layer, earlier layer)
+
+LAMBDA_FIRST, LAMBDA_SELF = "value_residual_lambda_first", "value_residual_lambda_self"
+LAMBDA_SCALE, NEUTRENO_LAMBDA, LAYERS = "value_residual_lambda_scale", "neutreno_lambda", "value_residual_layers"
+#: The optional value-residual fields of `ResFormerConfig`; each variant reads a subset.
+OPTIONAL_FIELDS = (LAYERS, LAMBDA_FIRST, LAMBDA_SELF, LAMBDA_SCALE, NEUTRENO_LAMBDA)
+_NUMBER_FIELDS = (LAMBDA_FIRST, LAMBDA_SELF, LAMBDA_SCALE, NEUTRENO_LAMBDA)
+
+
+def every_later_layer(num_layers: int) -> list[int]:
+    return list(range(1, num_layers))
+
+
+def last_three_eighths(num_layers: int) -> list[int]:
+    """The paper's sparse setting: the last ⌈3L/8⌉ layers (never layer 0)."""
+    return list(range(max(1, num_layers - math.ceil(3 * num_layers / 8)), num_layers))
+
+
+@dataclass(frozen=True)
+class ValueResidualVariant:
+    """Everything the package knows about one variant. Add a variant by adding one of these to `VARIANTS`."""
+
+    name: str
+    role: str  #: role of each receiving layer (PLAIN, MIX, MIX_ALL, REUSE or CORRECT)
+    lambdas: str  #: λ parameterisation (FIXED, PAIR, SOFTMAX or DENSE)
+    reads: tuple[str, ...]  #: optional config fields it reads; giving it another one is an error
+    lambda_first: float | None  #: default λ_first (fixed value, or initial value when learnable); None: derived
+    lambda_self: float | None  #: default λ_self, likewise
+    label: str  #: short name for model cards
+    summary: str  #: one sentence for model cards
+    table_note: str = ""  #: how a model card's λ table reads for this variant, when not obvious
+    lambda_first_field: str = LAMBDA_FIRST  #: the config field that overrides `lambda_first`
+    default_layers: Callable[[int], list[int]] = every_later_layer  #: receivers when `value_residual_layers` unset
+    keeps_every_layers_values: bool = False  #: later layers read every earlier layer's values, not only V_0
+    convertible: bool = False  #: a Llama checkpoint determines every weight, so `resformer-convert` can make it
+    preserving_fields: dict[str, float] | None = None  #: config fields that reproduce the source model exactly
+    why_not_preserving: str = ""  #: said when a conversion asks to preserve outputs and it cannot
+
+    @property
+    def learnable(self) -> bool:
+        return self.lambdas != FIXED
+
+    @property
+    def drops_value_projections(self) -> bool:
+        return self.role == REUSE
+
+    @property
+    def can_preserve_outputs(self) -> bool:
+        return self.preserving_fields is not None
+
+
+_FIXED_REASON = (
+    "its λ are fixed, and the only exact setting (λ_first=0, λ_self=1) would switch the residual off for good"
+)
+
+VARIANTS: dict[str, ValueResidualVariant] = {
+    spec.name: spec
+    for spec in (
+        ValueResidualVariant(
+            "none", PLAIN, FIXED, (), 0.0, 1.0, "plain Llama (value residual off)",
+            "The value residual is switched off: every layer attends over its own values, exactly like Llama.",
+            default_layers=lambda num_layers: [],
+        ),
+        ValueResidualVariant(
+            "identity", MIX, FIXED, (LAYERS,), 0.5, 0.5, "ResFormer (identity)",
+            "Every receiving layer attends over the plain average `0.5·V_0 + 0.5·V_n`.",
+            convertible=True, why_not_preserving=_FIXED_REASON,
+        ),
+        ValueResidualVariant(
+            "constant", MIX, FIXED, (LAYERS, LAMBDA_FIRST, LAMBDA_SELF), 2.0, 1.0, "ResFormer (constant λ)",
+            "Every receiving layer mixes in layer 0's values with one fixed pair of weights.",
+            convertible=True, why_not_preserving=_FIXED_REASON,
+        ),
+        ValueResidualVariant(
+            "learnable", MIX, PAIR, (LAYERS, LAMBDA_FIRST, LAMBDA_SELF), 0.5, 0.5, "ResFormer (learnable λ)",
+            "Every receiving layer mixes in layer 0's values with its own learned pair of weights.",
+            convertible=True, preserving_fields={LAMBDA_FIRST: 0.0, LAMBDA_SELF: 1.0},
+        ),
+        ValueResidualVariant(
+            "learnable_plus", MIX, SOFTMAX, (LAYERS, LAMBDA_SELF, LAMBDA_SCALE), None, 0.5,
+            "ResFormer (learnable-plus λ)",
+            "Receiving layers mix in layer 0's values with `λ_first = λ_scale·softmax(logits)` over the layers and a "
+            "learned `λ_self` per layer (the paper's best variant).",
+            convertible=True, preserving_fields={LAMBDA_SCALE: 0.0, LAMBDA_SELF: 1.0},
+        ),
+        ValueResidualVariant(
+            "sparse", MIX, FIXED, (LAYERS, LAMBDA_FIRST, LAMBDA_SELF), 5.0, 1.0, "ResFormer (sparse)",
+            "Only a few late layers mix in layer 0's values, with a fixed pair of weights.",
+            default_layers=last_three_eighths, convertible=True, why_not_preserving=_FIXED_REASON,
+        ),
+        ValueResidualVariant(
+            "dense", MIX_ALL, DENSE, (LAYERS, LAMBDA_FIRST, LAMBDA_SELF), 0.5, 0.5, "ResFormer (dense)",
+            "Every receiving layer mixes in the values of all earlier layers with learned weights.",
+            table_note="`dense` also mixes in every earlier layer's values; the table shows only the weights on V_0 "
+            "and V_n.",
+            keeps_every_layers_values=True,
+        ),
+        ValueResidualVariant(
+            "svformer", REUSE, FIXED, (), 1.0, 0.0, "SVFormer",
+            "Layers after the first have no value projection: they all attend over layer 0's values, which roughly "
+            "halves the KV cache.",
+            table_note="SVFormer layers n ≥ 1 have no `v_proj` and attend over V_0 itself.",
+            convertible=True,
+            why_not_preserving="it drops v_proj of layers n >= 1, so no setting reproduces the source",
+        ),
+        ValueResidualVariant(
+            "neutreno", CORRECT, FIXED, (LAYERS, NEUTRENO_LAMBDA), 0.4, 1.0, "NeuTRENO",
+            "The NeuTRENO baseline: each receiving layer adds `λ·(V_0 − V_n)` to its attention output.",
+            table_note="NeuTRENO adds `λ·(V_0 − V_n)` after attention; the table shows λ as λ_first and 1 − λ as "
+            "λ_self.",
+            lambda_first_field=NEUTRENO_LAMBDA,
+        ),
+    )
+}
+
 #: The paper's variants, as accepted by `ResFormerConfig(value_residual=...)`.
-VALUE_RESIDUAL_VARIANTS = (
-    "none",
-    "identity",
-    "constant",
-    "learnable",
-    "learnable_plus",
-    "sparse",
-    "dense",
-    "svformer",
-    "neutreno",
-)
+VALUE_RESIDUAL_VARIANTS = tuple(VARIANTS)
+#: `ResFormerConfig`'s default: the paper's best variant, and the best in this project's pre-training benchmark.
+DEFAULT_VARIANT = "learnable_plus"
+#: `resformer-convert`'s default: a per-layer pair started at (λ_first, λ_self) = (0, 1) reproduces the source and
+#: gets gradient on both λ at once (a softmax started at λ_scale = 0 gives its logits no gradient until λ_scale moves).
+DEFAULT_CONVERSION_VARIANT = "learnable"
 
-#: Which optional λ fields each variant reads; giving a field to a variant that ignores it is an error.
-_FIELDS_READ_BY_VARIANT = {
-    "none": (),
-    "identity": ("value_residual_layers",),
-    "constant": ("value_residual_layers", "value_residual_lambda_first", "value_residual_lambda_self"),
-    "learnable": ("value_residual_layers", "value_residual_lambda_first", "value_residual_lambda_self"),
-    "learnable_plus": ("value_residual_layers", "value_residual_lambda_self", "value_residual_lambda_scale"),
-    "sparse": ("value_residual_layers", "value_residual_lambda_first", "value_residual_lambda_self"),
-    "dense": ("value_residual_layers", "value_residual_lambda_first", "value_residual_lambda_self"),
-    "svformer": (),
-    "neutreno": ("value_residual_layers", "neutreno_lambda"),
-}
-_OPTIONAL_FIELDS = (
-    "value_residual_layers",
-    "value_residual_lambda_first",
-    "value_residual_lambda_self",
-    "value_residual_lambda_scale",
-    "neutreno_lambda",
-)
 
-#: Documented defaults of (λ_first, λ_self): fixed values for fixed variants, initial values for learnable ones.
-DEFAULT_LAMBDAS = {
-    "none": (0.0, 1.0),
-    "identity": (0.5, 0.5),
-    "constant": (2.0, 1.0),
-    "learnable": (0.5, 0.5),
-    "learnable_plus": (None, 0.5),  # λ_first = λ_scale · softmax(logits), λ_scale starts at num_hidden_layers
-    "sparse": (5.0, 1.0),
-    "dense": (0.5, 0.5),
-    "svformer": (1.0, 0.0),
-    "neutreno": (None, None),
-}
-DEFAULT_NEUTRENO_LAMBDA = 0.4
+def convertible_variants() -> tuple[str, ...]:
+    """Variants `resformer-convert` can make from a Llama checkpoint."""
+    return tuple(name for name, spec in VARIANTS.items() if spec.convertible)
+
+
+def output_preserving_variants() -> tuple[str, ...]:
+    """Convertible variants with an initial λ setting that reproduces the source model exactly."""
+    return tuple(name for name, spec in VARIANTS.items() if spec.convertible and spec.can_preserve_outputs)
+
+
+# ---- field checks -------------------------------------------------------------------------------------------------
+
+
+def _checked_field(name: str, value):
+    """The value of one value-residual field, or a `ValueError` naming it (on construction and on assignment)."""
+    if name == "value_residual":
+        if not isinstance(value, str) or value not in VARIANTS:
+            raise ValueError(f"value_residual={value!r} is not a known variant; use one of {', '.join(VARIANTS)}.")
+    elif name in _NUMBER_FIELDS and value is not None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name}={value!r} must be a number (or None for the variant's default).")
+        try:
+            finite = math.isfinite(float(value))
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ValueError(f"{name}={value!r} must be a finite number.")
+    elif name == LAYERS and value is not None:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{LAYERS}={value!r} must be a list of layer indices (or None for the default).")
+        value = list(value)
+    return value
 
 
 @strict
@@ -103,39 +234,41 @@ class ResFormerConfig(LlamaConfig):
         "norm": (["hidden_states"], ["hidden_states"]),
     }
 
-    value_residual: str = "learnable_plus"
+    value_residual: str = DEFAULT_VARIANT
     value_residual_layers: list[int] | None = None
     value_residual_lambda_first: float | int | None = None
     value_residual_lambda_self: float | int | None = None
     value_residual_lambda_scale: float | int | None = None
     neutreno_lambda: float | int | None = None
 
+    def __setattr__(self, name: str, value) -> None:
+        # Checked on every assignment, not only in __init__: `config.value_residual = "bogus"` fails here, by name.
+        if name == "value_residual" or name in OPTIONAL_FIELDS:
+            value = _checked_field(name, value)
+        super().__setattr__(name, value)
+
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        self._validate_value_residual()
+        self.check_value_residual()
 
-    def _validate_value_residual(self) -> None:
-        variant = self.value_residual
-        if variant not in VALUE_RESIDUAL_VARIANTS:
-            raise ValueError(
-                f"value_residual={variant!r} is not a known variant; use one of {', '.join(VALUE_RESIDUAL_VARIANTS)}."
-            )
-        read = _FIELDS_READ_BY_VARIANT[variant]
-        for name in _OPTIONAL_FIELDS:
-            if getattr(self, name) is not None and name not in read:
-                users = [v for v, fields in _FIELDS_READ_BY_VARIANT.items() if name in fields]
+    def check_value_residual(self) -> None:
+        """Raise a `ValueError` naming the field if the value-residual fields do not fit together or the model shape.
+
+        Runs on construction and again when a model is built, so fields assigned after construction are checked too.
+        """
+        for name in ("value_residual", *OPTIONAL_FIELDS):
+            _checked_field(name, getattr(self, name))
+        spec = self.value_residual_spec
+        for name in OPTIONAL_FIELDS:
+            if getattr(self, name) is not None and name not in spec.reads:
+                users = [v for v, other in VARIANTS.items() if name in other.reads]
                 raise ValueError(
-                    f"{name} is ignored by value_residual={variant!r}; leave it unset (None), or choose a variant that "
-                    f"reads it: {', '.join(users)}."
+                    f"{name} is ignored by value_residual={spec.name!r}; leave it unset (None), or choose a variant "
+                    f"that reads it: {', '.join(users)}."
                 )
-        for name in ("value_residual_lambda_first", "value_residual_lambda_self", "value_residual_lambda_scale",
-                     "neutreno_lambda"):
-            value = getattr(self, name)
-            if value is not None and not math.isfinite(value):
-                raise ValueError(f"{name}={value!r} must be a finite number.")
-        if variant == "svformer" and self.num_hidden_layers < 2:
+        if spec.role == REUSE and self.num_hidden_layers < 2:
             raise ValueError(
-                f"value_residual='svformer' needs num_hidden_layers >= 2 (got {self.num_hidden_layers}): layer 0 "
+                f"value_residual={spec.name!r} needs num_hidden_layers >= 2 (got {self.num_hidden_layers}): layer 0 "
                 "provides the values that the later layers reuse."
             )
         if self.value_residual_layers is not None:
@@ -155,46 +288,69 @@ class ResFormerConfig(LlamaConfig):
                     "plain Llama."
                 )
 
-    # ---- resolved values (derived, never serialised) -------------------------------------------------------------
+    # ---- per-layer facts (derived, never serialised) ----------------------------------------------------------------
+
+    @property
+    def value_residual_spec(self) -> ValueResidualVariant:
+        """The registry entry of `value_residual`."""
+        return VARIANTS[self.value_residual]
 
     @property
     def value_residual_receivers(self) -> list[int]:
-        """Sorted 0-based indices of the layers that mix in layer 0's values (empty for `"none"`)."""
-        n_layers = self.num_hidden_layers
-        if self.value_residual == "none":
+        """Sorted 0-based indices of the layers that use layer 0's values (empty for `"none"`)."""
+        if self.value_residual_spec.role == PLAIN:
             return []
         if self.value_residual_layers is not None:
             return sorted(self.value_residual_layers)
-        if self.value_residual == "sparse":
-            count = math.ceil(3 * n_layers / 8)
-            return list(range(max(1, n_layers - count), n_layers))
-        return list(range(1, n_layers))
+        return self.value_residual_spec.default_layers(self.num_hidden_layers)
+
+    @property
+    def value_residual_layer_roles(self) -> list[str]:
+        """What each layer does with values: the variant's role for receivers, `"plain"` for every other layer."""
+        receivers, role = set(self.value_residual_receivers), self.value_residual_spec.role
+        return [role if layer in receivers else PLAIN for layer in range(self.num_hidden_layers)]
+
+    @property
+    def value_residual_sources(self) -> list[int]:
+        """Layers whose raw values later layers read: none, layer 0, or (dense) every layer."""
+        if not self.value_residual_receivers:
+            return []
+        if self.value_residual_spec.keeps_every_layers_values:
+            return list(range(self.num_hidden_layers))
+        return [0]
+
+    @property
+    def layers_without_value_projection(self) -> list[int]:
+        """Layers that have no `v_proj` because they attend over layer 0's values (SVFormer)."""
+        return [layer for layer, role in enumerate(self.value_residual_layer_roles) if role == REUSE]
 
     @property
     def value_residual_lambda_first_resolved(self) -> float | None:
-        """λ_first in use: the configured value or the variant's documented default."""
-        if self.value_residual_lambda_first is not None:
-            return float(self.value_residual_lambda_first)
-        return DEFAULT_LAMBDAS[self.value_residual][0]
+        """λ_first in use: the configured value or the variant's documented default (None when derived)."""
+        spec = self.value_residual_spec
+        configured = getattr(self, spec.lambda_first_field)
+        return float(configured) if configured is not None else spec.lambda_first
 
     @property
     def value_residual_lambda_self_resolved(self) -> float | None:
         """λ_self in use: the configured value or the variant's documented default."""
-        if self.value_residual_lambda_self is not None:
-            return float(self.value_residual_lambda_self)
-        return DEFAULT_LAMBDAS[self.value_residual][1]
+        configured = self.value_residual_lambda_self
+        return float(configured) if configured is not None else self.value_residual_spec.lambda_self
 
     @property
     def value_residual_lambda_scale_resolved(self) -> float:
-        """Initial λ_scale of `"learnable_plus"`: the configured value or `num_hidden_layers`."""
-        if self.value_residual_lambda_scale is not None:
-            return float(self.value_residual_lambda_scale)
-        return float(self.num_hidden_layers)
-
-    @property
-    def neutreno_lambda_resolved(self) -> float:
-        """λ of the NeuTRENO baseline: the configured value or 0.4."""
-        return DEFAULT_NEUTRENO_LAMBDA if self.neutreno_lambda is None else float(self.neutreno_lambda)
+        """Initial λ_scale of a softmax parameterisation: the configured value or `num_hidden_layers`."""
+        configured = self.value_residual_lambda_scale
+        return float(configured) if configured is not None else float(self.num_hidden_layers)
 
 
-__all__ = ["ResFormerConfig", "VALUE_RESIDUAL_VARIANTS"]
+__all__ = [
+    "DEFAULT_CONVERSION_VARIANT",
+    "DEFAULT_VARIANT",
+    "VALUE_RESIDUAL_VARIANTS",
+    "VARIANTS",
+    "ResFormerConfig",
+    "ValueResidualVariant",
+    "convertible_variants",
+    "output_preserving_variants",
+]

@@ -34,15 +34,22 @@ from transformers.dynamic_module_utils import custom_object_save
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.utils import logging
 
-from .configuration_resformer import DEFAULT_LAMBDAS, ResFormerConfig
+from .configuration_resformer import (
+    DEFAULT_CONVERSION_VARIANT,
+    VARIANTS,
+    ResFormerConfig,
+    convertible_variants,
+    output_preserving_variants,
+)
 from .registration import full_auto_map
 
 logger = logging.get_logger(__name__)
 
 #: Variants `convert_llama_checkpoint` can produce from a Llama (the ones whose weights a Llama fully determines).
-CONVERTIBLE_VARIANTS = ("learnable", "learnable_plus", "identity", "constant", "sparse", "svformer")
+CONVERTIBLE_VARIANTS = convertible_variants()
 #: Variants with an initial λ setting that reproduces the source model exactly.
-FUNCTION_PRESERVING_VARIANTS = ("learnable", "learnable_plus")
+FUNCTION_PRESERVING_VARIANTS = output_preserving_variants()
+DEFAULT_VARIANT = DEFAULT_CONVERSION_VARIANT
 INITS = ("preserve", "paper")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -122,7 +129,7 @@ def convert_llama_checkpoint(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    variant: str = "learnable",
+    variant: str = DEFAULT_VARIANT,
     init: str = "preserve",
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
@@ -168,7 +175,7 @@ def convert_llama_checkpoint(
         _save_config(target, staging)
         report.copied_files = _copy_side_files(src_dir, staging)
         _write_card(staging, config, base_model=base_model, init=init)
-        outputs_change = variant not in FUNCTION_PRESERVING_VARIANTS or init != "preserve"
+        outputs_change = init != "preserve"
         if verify or outputs_change:
             report.max_abs_logit_diff = _measure_divergence(
                 src_dir, staging, report, strict=not outputs_change, required=verify
@@ -192,14 +199,10 @@ def _check_options(variant: str, init: str) -> None:
     if init not in INITS:
         raise ConversionError(f"init {init!r} is not known; use 'preserve' or 'paper'.")
     if init == "preserve" and variant not in FUNCTION_PRESERVING_VARIANTS:
-        reason = (
-            "it drops v_proj of layers n >= 1, so no setting reproduces the source"
-            if variant == "svformer"
-            else "its λ are fixed, and the only exact setting (λ_first=0, λ_self=1) would switch the residual off for good"
-        )
         raise ConversionError(
-            f"variant {variant!r} cannot preserve the source's outputs ({reason}); pass init='paper' (--init paper) to "
-            "accept changed outputs that need fine-tuning, or use a learnable variant (learnable, learnable_plus)."
+            f"variant {variant!r} cannot preserve the source's outputs ({VARIANTS[variant].why_not_preserving}); pass "
+            "init='paper' (--init paper) to accept changed outputs that need fine-tuning, or use a variant that can "
+            f"({', '.join(FUNCTION_PRESERVING_VARIANTS)})."
         )
 
 
@@ -334,10 +337,8 @@ def build_resformer_config(
 def _lambda_fields(variant: str, init: str) -> dict:
     """Config fields that set the initial λ: the exact-Llama point for `preserve`, the paper's defaults otherwise."""
     fields: dict = {"value_residual": variant}
-    if init == "preserve" and variant == "learnable":
-        fields.update(value_residual_lambda_first=0.0, value_residual_lambda_self=1.0)
-    elif init == "preserve" and variant == "learnable_plus":
-        fields.update(value_residual_lambda_scale=0.0, value_residual_lambda_self=1.0)
+    if init == "preserve":
+        fields.update(VARIANTS[variant].preserving_fields)
     return fields
 
 
@@ -511,7 +512,7 @@ def _plan_conversion(shards: list[Path], model, model_type: str, dtype: torch.dt
                 match = _V_PROJ.match(name)
                 if _ROTARY_BUFFER.search(name) or (config.tie_word_embeddings and name == "lm_head.weight"):
                     dropped.append(name)  # recomputed from the config / tied to the embeddings on load
-                elif config.value_residual == "svformer" and match and int(match.group(1)) > 0:
+                elif match and int(match.group(1)) in config.layers_without_value_projection:
                     dropped.append(name)  # SVFormer layers n >= 1 attend over layer 0's values
                 elif name not in expected:
                     raise ConversionError(
@@ -763,13 +764,14 @@ def _measure_divergence(
 
 def _change_notes(config: ResFormerConfig, variant: str, init: str, diff: float | None) -> list[str]:
     measured = f" (measured max |Δ logits| = {diff:.3g} on a probe batch)" if diff is not None else ""
-    if variant == "svformer":
+    dropped = config.layers_without_value_projection
+    if dropped:
         return [
-            f"svformer drops v_proj of layers 1..{config.num_hidden_layers - 1}: outputs differ from the source"
+            f"{variant} drops v_proj of layers {dropped[0]}..{dropped[-1]}: outputs differ from the source"
             f"{measured}; the model needs uptraining before use."
         ]
     if init == "paper":
-        first, own = DEFAULT_LAMBDAS[variant]
+        first, own = config.value_residual_lambda_first_resolved, config.value_residual_lambda_self_resolved
         start = f"λ_first={first}, λ_self={own}" if first is not None else (
             f"λ_scale={config.value_residual_lambda_scale_resolved}, λ_self={own}"
         )

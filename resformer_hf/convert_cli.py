@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .conversion import CONVERTIBLE_VARIANTS, DTYPES, INITS, ConversionError, convert_llama_checkpoint
+from .conversion import CONVERTIBLE_VARIANTS, DEFAULT_VARIANT, DTYPES, INITS, ConversionError, convert_llama_checkpoint
 
 PROG = "resformer-convert"
 
@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("src", metavar="SRC", help="checkpoint directory (config.json + safetensors) or Hub repo id")
     parser.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty, see --overwrite)")
-    parser.add_argument("--variant", choices=CONVERTIBLE_VARIANTS, default="learnable",
-                        help="value-residual variant (default: learnable)")
+    parser.add_argument("--variant", choices=CONVERTIBLE_VARIANTS, default=DEFAULT_VARIANT,
+                        help=f"value-residual variant (default: {DEFAULT_VARIANT})")
     parser.add_argument("--init", choices=INITS, default="preserve",
                         help="preserve: λ start where outputs equal the source's (learnable variants only); "
                         "paper: the paper's initial values, outputs change (default: preserve)")

@@ -23,40 +23,6 @@ from .value_residual import ValueResidual
 #: Name of the template inside the package; `model_cards/resformer.md` in the repository is the same file.
 TEMPLATE_NAME = "model_card_template.md"
 
-_LEARNABLE_VARIANTS = ("learnable", "learnable_plus", "dense")
-
-_VARIANT_LABELS = {
-    "none": "plain Llama (value residual off)",
-    "identity": "ResFormer (identity)",
-    "constant": "ResFormer (constant λ)",
-    "learnable": "ResFormer (learnable λ)",
-    "learnable_plus": "ResFormer (learnable-plus λ)",
-    "sparse": "ResFormer (sparse)",
-    "dense": "ResFormer (dense)",
-    "svformer": "SVFormer",
-    "neutreno": "NeuTRENO",
-}
-
-_VARIANT_SUMMARIES = {
-    "none": "The value residual is switched off: every layer attends over its own values, exactly like Llama.",
-    "identity": "Every receiving layer attends over the plain average `0.5·V_0 + 0.5·V_n`.",
-    "constant": "Every receiving layer mixes in layer 0's values with one fixed pair of weights.",
-    "learnable": "Every receiving layer mixes in layer 0's values with its own learned pair of weights.",
-    "learnable_plus": (
-        "Receiving layers mix in layer 0's values with `λ_first = λ_scale·softmax(logits)` over the layers and a "
-        "learned `λ_self` per layer (the paper's best variant)."
-    ),
-    "sparse": "Only a few late layers mix in layer 0's values, with a fixed pair of weights.",
-    "dense": "Every receiving layer mixes in the values of all earlier layers with learned weights.",
-    "svformer": (
-        "Layers after the first have no value projection: they all attend over layer 0's values, which roughly "
-        "halves the KV cache."
-    ),
-    "neutreno": (
-        "The NeuTRENO baseline: each receiving layer adds `λ·(V_0 − V_n)` to its attention output."
-    ),
-}
-
 _INIT_SUMMARIES = {
     "preserve": "λ start where the converted model computes exactly what the base model computed",
     "paper": "λ start at the paper's initial values, so outputs differ from the base model until fine-tuned",
@@ -84,8 +50,9 @@ def _lambda_table(config: ResFormerConfig, lambdas: Any) -> torch.Tensor:
     return table
 
 
-def _lambda_note(variant: str, given: bool) -> str:
-    if variant in _LEARNABLE_VARIANTS:
+def _lambda_note(config: ResFormerConfig, given: bool) -> str:
+    spec = config.value_residual_spec
+    if spec.learnable:
         note = (
             "The values below are the learned ones stored in this checkpoint."
             if given
@@ -93,16 +60,7 @@ def _lambda_note(variant: str, given: bool) -> str:
         )
     else:
         note = "The values below are fixed by the variant."
-    if variant == "dense":
-        note += " `dense` also mixes in every earlier layer's values; the table shows only the weights on V_0 and V_n."
-    elif variant == "svformer":
-        note += " SVFormer layers n ≥ 1 have no `v_proj` and attend over V_0 itself."
-    elif variant == "neutreno":
-        note += (
-            " NeuTRENO adds `λ·(V_0 − V_n)` after attention; the table shows λ as λ_first and 1 − λ as"
-            " λ_self."
-        )
-    return note
+    return f"{note} {spec.table_note}".strip()
 
 
 def _format_fact(value: Any) -> str:
@@ -149,15 +107,15 @@ def build_model_card(
         raise TypeError(
             f"config must be a ResFormerConfig, got {type(config).__name__}; pass model.config of a ResFormer model."
         )
-    variant = config.value_residual
+    spec = config.value_residual_spec
     table = _lambda_table(config, lambdas)
-    receivers = set(config.value_residual_receivers) if variant != "svformer" else set(range(1, table.shape[0]))
+    receivers = set(config.value_residual_receivers)
     dataset_list = _as_list(datasets)
     hub_datasets = [name for name in dataset_list if _looks_like_hub_id(name)]
 
     tags = ["resformer", "value-residual", "custom_code"]
-    if variant == "svformer":
-        tags.append("svformer")
+    if spec.drops_value_projections:
+        tags.append(spec.name)
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag="text-generation",
@@ -187,10 +145,10 @@ def build_model_card(
     return ModelCard.from_template(
         card_data,
         template_path=str(_template_path()),
-        title=model_id.rstrip("/").split("/")[-1] if model_id else f"{_VARIANT_LABELS[variant]} language model",
-        variant=variant,
-        variant_label=_VARIANT_LABELS[variant],
-        variant_summary=_VARIANT_SUMMARIES[variant],
+        title=model_id.rstrip("/").split("/")[-1] if model_id else f"{spec.label} language model",
+        variant=spec.name,
+        variant_label=spec.label,
+        variant_summary=spec.summary,
         base_model=base_model,
         base_model_url=_base_model_url(base_model),
         init=init,
@@ -201,10 +159,10 @@ def build_model_card(
         num_heads=config.num_attention_heads,
         num_kv_heads=config.num_key_value_heads,
         vocab_size=config.vocab_size,
-        receivers=", ".join(str(layer) for layer in sorted(receivers)) or "none",
+        receivers=", ".join(str(layer) for layer in sorted(receivers)) or "–",
         license_text=license_text,
         model_id=model_id or "path/to/this/model",
-        lambda_note=_lambda_note(variant, lambdas is not None),
+        lambda_note=_lambda_note(config, lambdas is not None),
         lambda_rows=lambda_rows,
         dataset_list=dataset_list,
         training_rows=[(str(key), _format_fact(value)) for key, value in (training or {}).items()],

@@ -41,7 +41,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
-from .configuration_resformer import ResFormerConfig
+from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, VARIANTS, ResFormerConfig
 from .value_residual import ValueResidual, mix_values, neutreno_correction
 
 
@@ -54,11 +54,10 @@ class ResFormerAttention(LlamaAttention):
 
     def __init__(self, config: ResFormerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        variant = config.value_residual
-        receives = layer_idx in config.value_residual_receivers
-        self.reuses_first_values = variant == "svformer" and layer_idx > 0
-        self.applies_neutreno = variant == "neutreno" and receives
-        self.mixes_values = receives and variant not in ("svformer", "neutreno")
+        role = config.value_residual_layer_roles[layer_idx]
+        self.reuses_first_values = role == REUSE
+        self.applies_neutreno = role == CORRECT
+        self.mixes_values = role in (MIX, MIX_ALL)
         if self.reuses_first_values:
             self.v_proj = None
 
@@ -130,9 +129,10 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # Layer 0 starts the stack of values later layers read; `dense` layers append their own to it.
-        self.starts_residual_values = layer_idx == 0 and config.value_residual != "none"
-        self.extends_residual_values = layer_idx > 0 and config.value_residual == "dense"
+        # Layer 0 starts the stack of raw values later layers read; with a dense mix every later layer appends its own.
+        sources = config.value_residual_sources
+        self.starts_residual_values = layer_idx == 0 and layer_idx in sources
+        self.extends_residual_values = layer_idx > 0 and layer_idx in sources
 
     def forward(
         self,
@@ -199,6 +199,8 @@ class ResFormerPreTrainedModel(PreTrainedModel):
         if getattr(config, "model_type", None) == ResFormerConfig.model_type:
             AutoModel.register(type(config), ResFormerModel, exist_ok=True)
         super().__init__(config, *inputs, **kwargs)
+        if not config.value_residual_spec.learnable:  # no λ parameters, so nothing to keep in float32 on load
+            self._keep_in_fp32_modules_strict = []
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -225,22 +227,39 @@ class ResFormerPreTrainedModel(PreTrainedModel):
         trained as a different variant than the config says.
         """
         super()._adjust_missing_and_unexpected_keys(loading_info)
-        variant = self.config.value_residual
-        if variant == "svformer":
-            extra = _later_v_proj_layers(loading_info.unexpected_keys)
-            if extra:
+        config = self.config
+        without = set(config.layers_without_value_projection)
+        extra = [layer for layer in _layers_with(loading_info.unexpected_keys, "v_proj") if layer in without]
+        if extra:
+            raise ValueError(
+                f"Variant mismatch: the model is value_residual={config.value_residual!r}, which has no v_proj in "
+                f"layers {sorted(without)}, but the checkpoint has v_proj weights for layers {extra}, so it was "
+                "trained as another variant. Load it with the value_residual its config.json names."
+            )
+        # Missing v_proj means "trained without them" only where the same layer's other projections did load: a
+        # checkpoint that lacks everything (wrong prefix, another model) gets transformers' missing-keys report.
+        loaded_layers = set(range(config.num_hidden_layers)) - set(_layers_with(loading_info.missing_keys, "q_proj"))
+        absent = [
+            layer for layer in _layers_with(loading_info.missing_keys, "v_proj")
+            if layer not in without and layer in loaded_layers
+        ]
+        if absent:
+            reusing = [name for name, spec in VARIANTS.items() if spec.drops_value_projections]
+            raise ValueError(
+                f"Variant mismatch: the model is value_residual={config.value_residual!r}, but the checkpoint has no "
+                f"v_proj weights for layers {absent} while their other projections are there, so it was trained "
+                f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names "
+                "instead of random-initialising those projections."
+            )
+        self._check_lambdas_are_finite()
+
+    def _check_lambdas_are_finite(self) -> None:
+        """Refuse NaN/inf λ from a checkpoint, as the config refuses them: they would silently give NaN logits."""
+        for name, parameter in self.base_model.value_residual.named_parameters():
+            if parameter.device.type != "meta" and not torch.isfinite(parameter.detach()).all():
                 raise ValueError(
-                    f"Variant mismatch: the model is value_residual='svformer' (no v_proj in layers >= 1), but the "
-                    f"checkpoint has v_proj weights for layers {extra}, so it was trained as a non-svformer variant. "
-                    "Load it with the value_residual its config.json names (do not override it with 'svformer')."
-                )
-        else:
-            absent = _later_v_proj_layers(loading_info.missing_keys)
-            if absent:
-                raise ValueError(
-                    f"Variant mismatch: the model is value_residual={variant!r}, but the checkpoint has no v_proj "
-                    f"weights for layers {absent}, so it is an SVFormer checkpoint. Load it with "
-                    "value_residual='svformer' instead of random-initialising those projections."
+                    f"The checkpoint's model.value_residual.{name} holds NaN or infinite values, so the model would "
+                    "output NaN. Load a healthy save of the checkpoint instead."
                 )
 
 
@@ -346,17 +365,17 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = model_kwargs.get("past_key_values")
         user_defined = getattr(cache, "_is_user_defined", False)
-        if self.config.value_residual == "svformer" and cache is not None and not user_defined:
+        if self.config.layers_without_value_projection and cache is not None and not user_defined:
             share_first_layer_values(cache)
 
 
-_V_PROJ_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.v_proj\.")
+_PROJECTION_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.")
 
 
-def _later_v_proj_layers(keys) -> list[int]:
-    """Sorted layer indices n >= 1 that have a `self_attn.v_proj` entry among `keys`."""
-    layers = {int(match.group(1)) for key in keys if (match := _V_PROJ_KEY.search(key))}
-    return sorted(layer for layer in layers if layer >= 1)
+def _layers_with(keys, projection: str) -> list[int]:
+    """Sorted layer indices that have a `self_attn.<projection>` entry among `keys`."""
+    matches = (_PROJECTION_KEY.search(key) for key in keys)
+    return sorted({int(match.group(1)) for match in matches if match and match.group(2) == projection})
 
 
 class ResFormerForSequenceClassification(GenericForSequenceClassification, ResFormerPreTrainedModel): ...

@@ -21,13 +21,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .configuration_resformer import DEFAULT_VARIANT, convertible_variants, output_preserving_variants
 from .text import SAMPLE_DESCRIPTION, sample_text, train_tokenizer
 
 PROG = "resformer-quickstart"
 #: Size of the Llama built when no `--model` is given: small enough to train a visible amount in a minute on 2 cores.
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2)
-VARIANTS = ("learnable_plus", "learnable", "identity", "constant", "sparse", "svformer")
+VARIANTS = convertible_variants()
+PRESERVING_VARIANTS = output_preserving_variants()
 
 
 class QuickstartError(Exception):
@@ -57,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--dataset-config", help="configuration name of --dataset")
     source.add_argument("--text-column", default="text", help="column of --dataset holding the text (default: text)")
     method = parser.add_argument_group("conversion and training")
-    method.add_argument("--variant", choices=VARIANTS, default="learnable_plus",
-                        help="value-residual variant (default: learnable_plus, the paper's best)")
+    method.add_argument("--variant", choices=VARIANTS, default=DEFAULT_VARIANT,
+                        help=f"value-residual variant (default: {DEFAULT_VARIANT}, as ResFormerConfig)")
     method.add_argument("--init", choices=("preserve", "paper"), default=None,
                         help="λ initialisation of the conversion (default: preserve when converting a --model with a "
                         "learnable variant, so training starts from its outputs; else paper, the paper's values)")
@@ -262,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
     from .conversion import ConversionError, convert_llama_checkpoint
     from .hub import save_for_hub, upload_folder_to_hub
 
-    init = args.init or ("preserve" if args.model and args.variant in ("learnable", "learnable_plus") else "paper")
+    init = args.init or ("preserve" if args.model and args.variant in PRESERVING_VARIANTS else "paper")
     output = Path(args.output).expanduser().absolute()
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not args.overwrite:
         raise QuickstartError(f"--output {output} exists and is not empty; pass --overwrite or choose another folder")
@@ -405,10 +407,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.dataset_config and not args.dataset:
         build_parser().error("--dataset-config needs --dataset")
-    if args.init == "preserve" and args.variant not in ("learnable", "learnable_plus"):
+    if args.init == "preserve" and args.variant not in PRESERVING_VARIANTS:
         build_parser().error(
             f"--init preserve cannot preserve the source's outputs with --variant {args.variant}; use --init paper "
-            "or a learnable variant (learnable, learnable_plus)"
+            f"or a variant that can ({', '.join(PRESERVING_VARIANTS)})"
         )
     if not args.debug:
         from transformers.utils import logging as hf_logging

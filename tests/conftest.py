@@ -13,6 +13,7 @@ import torch  # noqa: E402
 import resformer_hf  # noqa: E402,F401  (registers the Auto classes)
 from resformer_hf import VALUE_RESIDUAL_VARIANTS  # noqa: E402
 
+
 @pytest.fixture(params=VALUE_RESIDUAL_VARIANTS)
 def variant(request) -> str:
     return request.param

@@ -6,7 +6,9 @@ import math
 
 import pytest
 
+import resformer_hf
 from resformer_hf import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
+
 from helpers import TINY, tiny_config
 
 
@@ -20,15 +22,18 @@ from helpers import TINY, tiny_config
         ({"value_residual_layers": []}, "value_residual_layers is empty"),
         ({"value_residual": "constant", "value_residual_lambda_first": math.nan}, "value_residual_lambda_first=nan"),
         ({"value_residual": "learnable", "value_residual_lambda_self": math.inf}, "value_residual_lambda_self=inf"),
-        ({"value_residual": "learnable_plus", "value_residual_lambda_scale": -math.inf}, "value_residual_lambda_scale"),
+        ({"value_residual": "learnable_plus", "value_residual_lambda_scale": -math.inf}, "lambda_scale=-inf"),
         ({"value_residual": "neutreno", "neutreno_lambda": math.nan}, "neutreno_lambda=nan"),
         ({"value_residual": "svformer", "num_hidden_layers": 1}, "needs num_hidden_layers >= 2"),
         ({"value_residual": "identity", "value_residual_lambda_first": 0.3}, "value_residual_lambda_first is ignored"),
-        ({"value_residual": "learnable_plus", "value_residual_lambda_first": 1.0}, "is ignored by value_residual='learnable_plus'"),
+        (
+            {"value_residual": "learnable_plus", "value_residual_lambda_first": 1.0},
+            "is ignored by value_residual='learnable_plus'",
+        ),
         ({"value_residual": "none", "value_residual_layers": [1]}, "value_residual_layers is ignored"),
         ({"value_residual": "svformer", "value_residual_layers": [1]}, "value_residual_layers is ignored"),
         ({"value_residual": "constant", "neutreno_lambda": 0.2}, "neutreno_lambda is ignored"),
-        ({"value_residual": "learnable", "value_residual_lambda_scale": 3.0}, "value_residual_lambda_scale is ignored"),
+        ({"value_residual": "learnable", "value_residual_lambda_scale": 3.0}, "lambda_scale is ignored"),
     ],
 )
 def test_invalid_configs_raise_value_error_naming_the_field(overrides, message):
@@ -68,3 +73,38 @@ def test_config_round_trips_through_json(tmp_path):
         [2, 3],
         0.25,
     )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("value_residual_lambda_first", "0.5", "value_residual_lambda_first='0.5' must be a number"),
+        ("value_residual_lambda_first", 10**400, "value_residual_lambda_first=1000"),
+        ("value_residual_lambda_self", True, "value_residual_lambda_self=True must be a number"),
+        ("value_residual_layers", 2, "value_residual_layers=2 must be a list"),
+        ("value_residual", None, "value_residual=None is not a known variant"),
+    ],
+)
+def test_wrong_types_and_overflow_raise_value_error_naming_the_field(field, value, message):
+    with pytest.raises(ValueError) as error:
+        ResFormerConfig(**{**TINY, "value_residual": "learnable", field: value})
+    assert message in str(error.value)
+
+
+def test_assignments_after_construction_are_checked():
+    config = tiny_config("learnable")
+    with pytest.raises(ValueError, match="value_residual='bogus' is not a known variant"):
+        config.value_residual = "bogus"
+    assert config.value_residual == "learnable"  # the bad value was not stored
+    with pytest.raises(ValueError, match="neutreno_lambda=inf must be a finite number"):
+        config.neutreno_lambda = math.inf
+    # Fields that only conflict with each other are caught when a model is built from the config.
+    config.value_residual = "identity"
+    config.value_residual_lambda_first = 0.3
+    with pytest.raises(ValueError, match="value_residual_lambda_first is ignored by value_residual='identity'"):
+        resformer_hf.ResFormerModel(config)
+    config.value_residual_lambda_first = None
+    config.num_hidden_layers = 2
+    config.value_residual_layers = [3]
+    with pytest.raises(ValueError, match=r"value_residual_layers has \[3\]"):
+        resformer_hf.ResFormerModel(config)

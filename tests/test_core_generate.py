@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from resformer_hf import ResFormerForCausalLM
+
 from helpers import model_with_random_lambdas, tiny_config
 
 GREEDY = dict(max_new_tokens=32, do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
+
 from helpers import TINY, model_with_random_lambdas, tiny_config
 from reference import reference_logits
 
@@ -232,3 +235,30 @@ def test_forward_traces_as_one_graph_under_torch_compile():
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     with torch.no_grad():
         assert torch.allclose(compiled(input_ids).logits, model(input_ids).logits, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_lambdas_in_a_checkpoint_are_refused_by_name(tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+
+    model = randomised_model("learnable_plus")
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.value_residual.lambda_self_offset"][1] = bad
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.value_residual\.lambda_self_offset holds NaN or infinite"):
+        ResFormerForCausalLM.from_pretrained(tmp_path)
+
+
+def test_a_checkpoint_missing_every_weight_gets_the_missing_keys_report_not_a_variant_error(tmp_path):
+    """A state dict saved under another prefix loads with everything missing: no 'Variant mismatch' guess."""
+    from safetensors.torch import load_file, save_file
+
+    model = randomised_model("learnable")
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    save_file({f"module.{k}": v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})
+    loaded, info = ResFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert "model.layers.1.self_attn.v_proj.weight" in info["missing_keys"]
+    assert "module.model.layers.1.self_attn.v_proj.weight" in info["unexpected_keys"]

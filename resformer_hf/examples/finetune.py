@@ -82,7 +82,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     tokenizer = train_tokenizer([text], VOCAB_SIZE)
     trainer = Trainer(
         model=build_model(len(tokenizer)),
-        args=training_arguments(args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size),
+        args=training_arguments(
+            args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size
+        ),
         train_dataset=block_dataset(tokenizer, [text], BLOCK_SIZE),
         data_collator=default_data_collator,
     )
