@@ -20,14 +20,30 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
+
 from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
-from pretraining import (ModelSize, RunStore, add_study_args, batch_order, budget_from_args, data_from_args,
-                         fit_log_linear, fit_power_law, non_embedding_parameters, paired_difference, parameter_saving,
-                         seeded_model, seeds_from_args, spread, study_config, train)
+from pretraining import (
+    ModelSize,
+    RunStore,
+    add_study_args,
+    batch_order,
+    budget_from_args,
+    command_line,
+    data_from_args,
+    fit_log_linear,
+    fit_power_law,
+    non_embedding_parameters,
+    paired_difference,
+    parameter_saving,
+    seeded_model,
+    seeds_from_args,
+    spread,
+    study_config,
+    train,
+)
 
 NAME = "param_efficiency"
 DEFAULT_SIZES = ["64x4", "96x5", "128x6", "160x8"]
@@ -116,13 +132,12 @@ def write_report(store: RunStore, variant: str, sizes: list[str], seeds: list[in
         saving = parameter_saving(fits[BASELINE], fits[variant], a["largest"])
         per_seed = a["per_seed_saving"][name]
         finite = [x for x in per_seed if math.isfinite(x)]
-        fit_rows.append([
-            name, fits[BASELINE].describe(), fits[variant].describe(),
-            " / ".join(f"{residual_rms(fits[v], *points(store, v, a['sizes'], seeds)):.4f}" for v in (BASELINE, variant)),
-            "—" if not math.isfinite(saving) else f"{100 * saving:.1f}%",
-            ", ".join("—" if not math.isfinite(x) else f"{100 * x:.1f}%" for x in per_seed)
-            + (f" (mean {100 * spread(finite).mean:.1f}% ± {100 * spread(finite).std:.1f}%)" if len(finite) > 1 else ""),
-        ])
+        rms = [residual_rms(fits[v], *points(store, v, a["sizes"], seeds)) for v in (BASELINE, variant)]
+        seed_text = ", ".join("—" if not math.isfinite(x) else f"{100 * x:.1f}%" for x in per_seed)
+        if len(finite) > 1:
+            seed_text += f" (mean {100 * spread(finite).mean:.1f}% ± {100 * spread(finite).std:.1f}%)"
+        fit_rows.append([name, fits[BASELINE].describe(), fits[variant].describe(), f"{rms[0]:.4f} / {rms[1]:.4f}",
+                         "—" if not math.isfinite(saving) else f"{100 * saving:.1f}%", seed_text])
     lines = [
         f"# Parameter efficiency: Llama vs `{variant}` at {len(a['sizes'])} sizes (CPU scale)",
         f"Regenerate: `{meta['command']}`. {meta['environment']}",
@@ -156,7 +171,7 @@ def plot(store: RunStore, variant: str, analysis: dict, seeds: list[int], out: P
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.8))
     grid = np.geomspace(min(points(store, BASELINE, analysis["sizes"], seeds)[0]) * 0.8, analysis["largest"] * 1.15)
-    for index, v in enumerate((BASELINE, variant)):
+    for v in (BASELINE, variant):
         color = "black" if v == BASELINE else "C1"
         n, loss = points(store, v, analysis["sizes"], seeds)
         axes.scatter(n, loss, color=color, s=18, label=f"{v} runs", zorder=3)
@@ -206,13 +221,13 @@ def main(argv=None) -> None:
         device = setup_device(args)
         data, description = data_from_args(args)
         store.meta.update(
-            command=" ".join(["python benchmarks/bench_param_efficiency.py", *(sys.argv[1:] if argv is None else argv)]),
+            command=command_line("bench_param_efficiency.py", argv),
             environment=environment_line(device), budget=budget_from_args(args).describe(), data=description,
         )
         for seed in seeds:
             for name, size in sizes.items():
                 for variant in (BASELINE, args.variant):
-                    store.run(run_key(variant, name, seed), lambda: run_one(variant, size, seed, args, data, device))
+                    store.run(run_key(variant, name, seed), run_one, variant, size, seed, args, data, device)
     write_report(store, args.variant, list(sizes), seeds, args.out)
     print(f"wrote {args.out / f'{NAME}.md'}")
 

@@ -18,17 +18,32 @@ Writes `benchmarks/results/pretrain.{json,md,png}` and `pretrain_analysis.png`.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 from scipy import stats
-from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
-from pretraining import (RunStore, add_study_args, batch_order, budget_from_args, data_from_args, interpolate_curve,
-                         non_embedding_parameters, paired_difference, seeded_model, seeds_from_args, size_from_args,
-                         spread, study_config, tokens_to_reach, train)
 
 from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
+
+from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from pretraining import (
+    RunStore,
+    add_study_args,
+    batch_order,
+    budget_from_args,
+    command_line,
+    data_from_args,
+    interpolate_curve,
+    non_embedding_parameters,
+    paired_difference,
+    seeded_model,
+    seeds_from_args,
+    size_from_args,
+    spread,
+    study_config,
+    tokens_to_reach,
+    train,
+)
 
 DEFAULT_VARIANTS = [BASELINE, "identity", "learnable_plus", "svformer"]
 NAME = "pretrain"
@@ -223,13 +238,13 @@ def main(argv=None) -> None:
         data, description = data_from_args(args)
         size = size_from_args(args)
         store.meta.update(
-            command=" ".join(["python benchmarks/bench_pretrain.py", *(sys.argv[1:] if argv is None else argv)]),
+            command=command_line("bench_pretrain.py", argv),
             environment=environment_line(device), size=size.describe(), budget=budget_from_args(args).describe(),
             data=description,
         )
         for seed in seeds:  # seed-major: an interrupted study still has whole seeds to report
             for variant in args.variants:
-                store.run(f"{variant}/seed{seed}", lambda: run_one(variant, seed, args, data, device))
+                store.run(f"{variant}/seed{seed}", run_one, variant, seed, args, data, device)
     write_report(store, args.variants, seeds, args.out)
     print(f"wrote {args.out / f'{NAME}.md'}")
 

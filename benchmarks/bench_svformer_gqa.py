@@ -1,9 +1,9 @@
 """SVFormer combined with GQA at equal KV-cache bytes: SVFormer+GQA vs a Llama with fewer kv heads (CPU scale).
 
 SVFormer's layers n ≥ 1 attend over layer 0's values, so its cache holds keys for L layers and values once:
-(L + 1)·h_kv head-vectors per token, against 2L·h_kv for a Llama. At L = 5 layers an SVFormer with 5 kv heads and a
-Llama with 3 kv heads (of 15 query heads) hold exactly the same bytes (6·5 = 10·3). Both are trained from scratch on the
-same tokens, seeds and data order, next to reference Llamas with more kv heads; cache bytes are measured with
+(L + 1)·h_kv head-vectors per token, against 2L·h_kv for a Llama. At L = 5 layers an SVFormer with 5 kv heads and
+a Llama with 3 kv heads (of 15 query heads) hold exactly the same bytes (6·5 = 10·3). Both are trained from scratch on
+the same tokens, seeds and data order, next to reference Llamas with more kv heads; cache bytes are measured with
 `resformer_hf.cache_nbytes` on a real forward pass with `use_cache=True`.
 
     python benchmarks/bench_svformer_gqa.py                  # default: 4 models × 3 seeds, ~35 min on 2 idle cores
@@ -16,17 +16,31 @@ Resumable like every study. Writes `benchmarks/results/svformer_gqa.{json,md,png
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
-from pretraining import (RunStore, add_study_args, batch_order, budget_from_args, data_from_args, interpolate_curve,
-                         non_embedding_parameters, paired_difference, seeded_model, seeds_from_args, size_from_args,
-                         spread, study_config, train)
 
 from resformer_hf import cache_nbytes
+
+from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from pretraining import (
+    RunStore,
+    add_study_args,
+    batch_order,
+    budget_from_args,
+    command_line,
+    data_from_args,
+    interpolate_curve,
+    non_embedding_parameters,
+    paired_difference,
+    seeded_model,
+    seeds_from_args,
+    size_from_args,
+    spread,
+    study_config,
+    train,
+)
 
 NAME = "svformer_gqa"
 DEFAULT_ARMS = ["llama:3", "svformer:5", "llama:5", "llama:15"]
@@ -138,7 +152,8 @@ def parse_args(argv=None):
     add_device_args(parser)
     add_study_args(parser, tokens=1_200_000, hidden=120, layers=5, heads=15)
     parser.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, metavar="VARIANT:KV",
-                        help=f"models as VARIANT:KV_HEADS, the equal-cache Llama first (default {' '.join(DEFAULT_ARMS)})")
+                        help=f"models as VARIANT:KV_HEADS, the equal-cache Llama first "
+                        f"(default {' '.join(DEFAULT_ARMS)})")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     args = parser.parse_args(argv)
     for arm in args.arms:
@@ -155,13 +170,13 @@ def main(argv=None) -> None:
         device = setup_device(args)
         data, description = data_from_args(args)
         store.meta.update(
-            command=" ".join(["python benchmarks/bench_svformer_gqa.py", *(sys.argv[1:] if argv is None else argv)]),
+            command=command_line("bench_svformer_gqa.py", argv),
             environment=environment_line(device), size=size_from_args(args).describe(),
             budget=budget_from_args(args).describe(), data=description,
         )
         for seed in seeds:
             for arm in args.arms:
-                store.run(f"{arm}/seed{seed}", lambda: run_one(arm, seed, args, data, device))
+                store.run(f"{arm}/seed{seed}", run_one, arm, seed, args, data, device)
     write_report(store, args.arms, seeds, args.out)
     print(f"wrote {args.out / f'{NAME}.md'}")
 

@@ -22,21 +22,37 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
-from pretraining import (Budget, Data, RunStore, add_study_args, batch_order, budget_from_args, data_from_args,
-                         interpolate_curve, lambda_parameters, paired_difference, seeded_model, seeds_from_args,
-                         size_from_args, spread, study_config, train)
 from transformers import LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from resformer_hf import ResFormerForCausalLM, convert_llama_checkpoint
+
+from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from pretraining import (
+    Budget,
+    Data,
+    RunStore,
+    add_study_args,
+    batch_order,
+    budget_from_args,
+    command_line,
+    data_from_args,
+    interpolate_curve,
+    lambda_parameters,
+    paired_difference,
+    seeded_model,
+    seeds_from_args,
+    size_from_args,
+    spread,
+    study_config,
+    train,
+)
 
 NAME = "uptrain"
 
@@ -323,7 +339,7 @@ def main(argv=None) -> None:
         data, description = data_from_args(args)
         pre, cont = split_blocks(data, args.continue_fraction, args.pretrain_seed)
         store.meta.update(
-            command=" ".join(["python benchmarks/bench_uptrain.py", *(sys.argv[1:] if argv is None else argv)]),
+            command=command_line("bench_uptrain.py", argv),
             environment=environment_line(device), size=size_from_args(args).describe(),
             budget=budget_from_args(args).describe(), data=description,
         )
@@ -332,7 +348,7 @@ def main(argv=None) -> None:
         for seed in seeds:
             for arm in args.arms:
                 checkpoint = converted(arm, llama)
-                store.run(f"{arm}/seed{seed}", lambda: run_arm(arm, seed, args, cont, checkpoint, device))
+                store.run(f"{arm}/seed{seed}", run_arm, arm, seed, args, cont, checkpoint, device)
     write_report(store, args.arms, seeds, args.out)
     print(f"wrote {args.out / f'{NAME}.md'}")
 

@@ -14,18 +14,20 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import REPO_ROOT, build_model
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from resformer_hf.text import pack_blocks, split_documents, token_stream, train_tokenizer
+
+from common import REPO_ROOT, build_model
 
 DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "data" / "corpus"
 
@@ -477,13 +479,13 @@ class RunStore:
         staging.write_text(json.dumps(payload, indent=1))
         os.replace(staging, self.path)
 
-    def run(self, key: str, job: Callable[[], dict]) -> dict:
-        """The stored result of `key`, or `job()`'s, stored before returning."""
+    def run(self, key: str, job: Callable[..., dict], *args) -> dict:
+        """The stored result of `key`, or `job(*args)`'s, stored before returning."""
         if key in self.runs:
             print(f"{key}: done, skipped", flush=True)
         else:
             print(f"training {key}", flush=True)
-            self.put(key, job())
+            self.put(key, job(*args))
         return self.runs[key]
 
 
@@ -560,6 +562,11 @@ def size_from_args(args: argparse.Namespace, **overrides) -> ModelSize:
     return ModelSize(**fields)
 
 
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command that regenerates a study's results, as its table quotes it."""
+    return " ".join([f"python benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
 def study_config(args: argparse.Namespace, *extra: str) -> dict:
     """The flags that decide a study's numbers: a saved run is reused only while they are unchanged."""
     names = ["corpus_dir", "sample_chars", "val_fraction", "val_tokens", "vocab_size", "hidden_size", "layers",
@@ -569,7 +576,3 @@ def study_config(args: argparse.Namespace, *extra: str) -> dict:
     if config.get("corpus_dir") is not None:
         config["corpus_dir"] = str(Path(config["corpus_dir"]).resolve())
     return config
-
-
-def budget_dict(budget: Budget) -> dict:
-    return asdict(budget)
