@@ -31,7 +31,7 @@ from helpers import TINY, model_with_random_lambdas, save_with_scalar_lambda_sca
 
 WORKERS = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(WORKERS))
-from common import MODELS, Engine, train  # noqa: E402  (shared with the workers, which run as scripts)
+from engine_common import MODELS, Engine, train  # noqa: E402  (shared with the workers, which run as scripts)
 
 TOLERANCE = 1e-5
 RESFORMERS = [name for name in MODELS if name != "llama"]

@@ -92,6 +92,12 @@ class _ResFormerCommonTests(_Environment, common.ModelTesterMixin):
     def setUp(self):
         self.model_tester = ModelTester(self, ResFormerConfig, self.variant)
 
+    def test_reverse_loading_mapping(self):
+        # ResFormer's one checkpoint conversion (`LambdaScaleToVector`) reshapes an old 0-dim λ_scale offset to shape
+        # [1] under the same key, so saving renames no key; the mixin's other checks (every conversion matches a saved
+        # key, the saved keys load back) still run.
+        super().test_reverse_loading_mapping(check_keys_were_modified=False)
+
 
 class TestLearnablePlusCommon(_ResFormerCommonTests, unittest.TestCase):
     variant = "learnable_plus"

@@ -25,7 +25,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
-from common import (
+from engine_common import (
     LEARNING_RATE,
     MODELS,
     STEPS,

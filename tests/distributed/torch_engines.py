@@ -24,7 +24,7 @@ from transformers.distributed import DistributedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
-from common import MODELS, DataParallel, Engine, attempt, lambda_parameters, load_batch, train
+from engine_common import MODELS, DataParallel, Engine, attempt, lambda_parameters, load_batch, train
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
