@@ -29,24 +29,23 @@ from pathlib import Path
 
 import numpy as np
 
-from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
 from pretraining import (
     ModelSize,
     RunStore,
     add_study_args,
     batch_order,
     budget_from_args,
-    command_line,
-    data_from_args,
     fit_log_linear,
     fit_power_law,
     non_embedding_parameters,
+    open_study,
     paired_difference,
     parameter_saving,
+    prepare_training,
     seeded_model,
     seeds_from_args,
     spread,
-    study_config,
     train,
 )
 
@@ -220,15 +219,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     seeds = seeds_from_args(args)
     sizes = {name: parse_size(name, args.head_dim) for name in args.sizes}
-    args.out.mkdir(parents=True, exist_ok=True)
-    store = RunStore(args.out / f"{NAME}.json", study_config(args, "sizes", "head_dim"), fresh=args.fresh)
+    store = open_study(args, NAME, "sizes", "head_dim")
     if not args.report_only:
-        device = setup_device(args)
-        data, description = data_from_args(args)
-        store.meta.update(
-            command=command_line("bench_param_efficiency.py", argv),
-            environment=environment_line(device), budget=budget_from_args(args).describe(), data=description,
-        )
+        device, data = prepare_training(store, args, "bench_param_efficiency.py", argv, describe_size=False)
         for seed in seeds:
             for name, size in sizes.items():
                 for variant in (BASELINE, args.variant):

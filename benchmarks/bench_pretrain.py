@@ -25,22 +25,21 @@ from scipy import stats
 
 from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
 
-from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
 from pretraining import (
     RunStore,
     add_study_args,
     batch_order,
     budget_from_args,
-    command_line,
-    data_from_args,
     interpolate_curve,
     non_embedding_parameters,
+    open_study,
     paired_difference,
+    prepare_training,
     seeded_model,
     seeds_from_args,
     size_from_args,
     spread,
-    study_config,
     tokens_to_reach,
     train,
 )
@@ -231,17 +230,9 @@ def main(argv=None) -> None:
     if BASELINE not in args.variants:
         raise SystemExit(f"--variants must include the baseline {BASELINE!r}: every number is relative to it")
     seeds = seeds_from_args(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    store = RunStore(args.out / f"{NAME}.json", study_config(args, "kv_heads"), fresh=args.fresh)
+    store = open_study(args, NAME, "kv_heads")
     if not args.report_only:
-        device = setup_device(args)
-        data, description = data_from_args(args)
-        size = size_from_args(args)
-        store.meta.update(
-            command=command_line("bench_pretrain.py", argv),
-            environment=environment_line(device), size=size.describe(), budget=budget_from_args(args).describe(),
-            data=description,
-        )
+        device, data = prepare_training(store, args, "bench_pretrain.py", argv)
         for seed in seeds:  # seed-major: an interrupted study still has whole seeds to report
             for variant in args.variants:
                 store.run(f"{variant}/seed{seed}", run_one, variant, seed, args, data, device)

@@ -23,22 +23,21 @@ import torch
 
 from resformer_hf import cache_nbytes
 
-from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
 from pretraining import (
     RunStore,
     add_study_args,
     batch_order,
     budget_from_args,
-    command_line,
-    data_from_args,
     interpolate_curve,
     non_embedding_parameters,
+    open_study,
     paired_difference,
+    prepare_training,
     seeded_model,
     seeds_from_args,
     size_from_args,
     spread,
-    study_config,
     train,
 )
 
@@ -164,16 +163,9 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     seeds = seeds_from_args(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    store = RunStore(args.out / f"{NAME}.json", study_config(args, "arms"), fresh=args.fresh)
+    store = open_study(args, NAME, "arms")
     if not args.report_only:
-        device = setup_device(args)
-        data, description = data_from_args(args)
-        store.meta.update(
-            command=command_line("bench_svformer_gqa.py", argv),
-            environment=environment_line(device), size=size_from_args(args).describe(),
-            budget=budget_from_args(args).describe(), data=description,
-        )
+        device, data = prepare_training(store, args, "bench_svformer_gqa.py", argv)
         for seed in seeds:
             for arm in args.arms:
                 store.run(f"{arm}/seed{seed}", run_one, arm, seed, args, data, device)

@@ -33,7 +33,7 @@ from transformers.utils import logging as hf_logging
 
 from resformer_hf import ResFormerForCausalLM, convert_llama_checkpoint
 
-from common import BASELINE, RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
 from pretraining import (
     Budget,
     Data,
@@ -41,11 +41,11 @@ from pretraining import (
     add_study_args,
     batch_order,
     budget_from_args,
-    command_line,
-    data_from_args,
     interpolate_curve,
     lambda_parameters,
+    open_study,
     paired_difference,
+    prepare_training,
     seeded_model,
     seeds_from_args,
     size_from_args,
@@ -331,18 +331,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per run would drown the training log
     seeds = seeds_from_args(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    config = study_config(args, "pretrain_tokens", "pretrain_lr", "pretrain_seed", "continue_fraction")
-    store = RunStore(args.out / f"{NAME}.json", config, fresh=args.fresh)
+    store = open_study(args, NAME, "pretrain_tokens", "pretrain_lr", "pretrain_seed", "continue_fraction")
     if not args.report_only:
-        device = setup_device(args)
-        data, description = data_from_args(args)
+        device, data = prepare_training(store, args, "bench_uptrain.py", argv)
         pre, cont = split_blocks(data, args.continue_fraction, args.pretrain_seed)
-        store.meta.update(
-            command=command_line("bench_uptrain.py", argv),
-            environment=environment_line(device), size=size_from_args(args).describe(),
-            budget=budget_from_args(args).describe(), data=description,
-        )
         folder = work_dir(args)
         llama = pretrain_llama(store, args, pre, folder, device)
         for seed in seeds:

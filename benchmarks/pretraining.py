@@ -27,7 +27,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from resformer_hf.text import pack_blocks, split_documents, token_stream, train_tokenizer
 
-from common import REPO_ROOT, build_model
+from common import REPO_ROOT, build_model, environment_line, setup_device
 
 DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "data" / "corpus"
 
@@ -576,3 +576,22 @@ def study_config(args: argparse.Namespace, *extra: str) -> dict:
     if config.get("corpus_dir") is not None:
         config["corpus_dir"] = str(Path(config["corpus_dir"]).resolve())
     return config
+
+
+def open_study(args: argparse.Namespace, name: str, *config_flags: str) -> RunStore:
+    """The study's run store `OUT/<name>.json`, keyed by `study_config(args, *config_flags)`."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    return RunStore(args.out / f"{name}.json", study_config(args, *config_flags), fresh=args.fresh)
+
+
+def prepare_training(
+    store: RunStore, args: argparse.Namespace, script: str, argv: Sequence[str] | None, *, describe_size: bool = True
+) -> tuple[torch.device, Data]:
+    """Device and data for the runs still to train; records in the store how and on what they are measured."""
+    device = setup_device(args)
+    data, description = data_from_args(args)
+    meta = {"command": command_line(script, argv), "environment": environment_line(device)}
+    if describe_size:
+        meta["size"] = size_from_args(args).describe()
+    store.meta.update(meta, budget=budget_from_args(args).describe(), data=description)
+    return device, data
