@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_pretrain import run_one
 from scipy import stats
 
-from bench_pretrain import run_one
 from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
 from pretraining import (
     RunStore,
@@ -108,8 +108,8 @@ def train_all(args: argparse.Namespace, argv, seeds: list[int]) -> None:
             cost_done += context  # a run's cost grows with its context; the ETA weighs remaining runs by it
             remaining = sum(c * len(m) for c, _, _, m in plan) - cost_done
             elapsed = time.monotonic() - started
-            print(f"[{done}/{total} runs] elapsed {elapsed / 60:.0f} min, ETA {elapsed / cost_done * remaining / 60:.0f}"
-                  " min", flush=True)
+            eta = elapsed / cost_done * remaining
+            print(f"[{done}/{total} runs] elapsed {elapsed / 60:.0f} min, ETA {eta / 60:.0f} min", flush=True)
 
 
 # ---- report --------------------------------------------------------------------------------------------------------
@@ -185,8 +185,8 @@ def write_report(args: argparse.Namespace, seeds: list[int]) -> Path | None:
         f"SVFormer and context: {PAPER_SVFORMER} Here: " + svformer_trend(summary) + ".",
     ]
     if adopted:
-        lines += ["", f"Context {', '.join(map(str, adopted))}: runs with settings identical to the pre-training study "
-                  "were taken from `pretrain.json`, not trained twice."]
+        lines += ["", f"Context {', '.join(map(str, adopted))}: runs with settings identical to the pre-training "
+                  "study were taken from `pretrain.json`, not trained twice."]
     if contexts_missing:
         lines += ["", f"**Incomplete**: context(s) {', '.join(map(str, contexts_missing))} do not have all "
                   f"{len(seeds)} seeds yet; rerun the command to finish them (finished runs are kept)."]

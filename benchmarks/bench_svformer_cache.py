@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import StaticCache
 
+from resformer_hf._compat import cache_of, with_cache
 from resformer_hf.cache_resformer import share_first_layer_values
 
 from common import (
@@ -101,7 +102,7 @@ def measure_memory(job: dict) -> dict:
         peak_delta = rss.peak - rss.baseline
         if device.type == "cuda":
             peak_delta = torch.cuda.max_memory_allocated(device) - before
-    return {"cache_bytes": resformer_hf.cache_nbytes(out.past_key_values), "peak_delta_bytes": peak_delta}
+    return {"cache_bytes": resformer_hf.cache_nbytes(cache_of(out)), "peak_delta_bytes": peak_delta}
 
 
 def seeded_model(name: str, job: dict, device: torch.device):
@@ -145,13 +146,13 @@ def decode_speeds(job: dict, repeats: int, kind: str) -> dict[str, float]:
     for name in MODELS:
         model = seeded_model(name, job, device)
         cache = generation_cache(model, kind, job["context"] + steps)
-        out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        states[name] = (model, out.past_key_values, out.logits[:, -1:].argmax(-1))
+        out = model(prompt, **with_cache(cache), use_cache=True, logits_to_keep=1)
+        states[name] = (model, cache_of(out), out.logits[:, -1:].argmax(-1))
 
     def burst(name: str) -> None:
         model, cache, token = states[name]
         for _ in range(steps):
-            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(token, **with_cache(cache), use_cache=True).logits[:, -1:].argmax(-1)
         rewind(cache, kind, steps)
 
     seconds = interleaved_medians({name: (lambda name=name: burst(name)) for name in MODELS}, repeats=repeats,

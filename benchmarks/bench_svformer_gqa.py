@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from resformer_hf import cache_nbytes
+from resformer_hf._compat import cache_of
 
 from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
 from pretraining import (
@@ -59,7 +60,7 @@ def parse_arm(text: str, heads: int) -> tuple[str, int]:
 @torch.no_grad()
 def cache_bytes_per_token(model, block: torch.Tensor) -> float:
     """`cache_nbytes` of the cache a forward pass over one block builds, per token of the block."""
-    past = model(input_ids=block[None], use_cache=True).past_key_values
+    past = cache_of(model(input_ids=block[None], use_cache=True))
     return cache_nbytes(past) / block.numel()
 
 

@@ -7,37 +7,20 @@ be converted to it, and the words a model card uses for it. The config turns tha
 modeling, cache, conversion, card and quickstart code read those facts and never compare variant names.
 
 This file is copied next to `config.json` for `trust_remote_code` loading, so it imports only `transformers` (and
-`huggingface_hub`, which transformers itself requires).
+`huggingface_hub`, which transformers itself requires) and its sibling `_compat.py`.
 """
 
 from __future__ import annotations
 
-import re
+from . import _compat  # noqa: F401  (first: refuses an unsupported transformers in one line)
 
-import transformers
+# isort: split
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
-#: The oldest transformers this code runs on (its strict-dataclass configs); checked before anything else is imported,
-#: so remote code loaded by an older transformers (e.g. one pinned by an export tool) says so in one line.
-MIN_TRANSFORMERS_VERSION = "5.23"
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
-    return int(major), int(minor)
-
-
-if _major_minor(transformers.__version__) < _major_minor(MIN_TRANSFORMERS_VERSION):
-    raise ImportError(
-        f"ResFormer needs transformers >= {MIN_TRANSFORMERS_VERSION}, found {transformers.__version__}: "
-        f"pip install -U 'transformers>={MIN_TRANSFORMERS_VERSION}'"
-    )
-
-import math  # noqa: E402  (after the version check, which must run first)
-from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-from huggingface_hub.dataclasses import strict  # noqa: E402
-from transformers import LlamaConfig  # noqa: E402
+from huggingface_hub.dataclasses import strict
+from transformers import LlamaConfig
 
 # ---- the variant registry ----------------------------------------------------------------------------------------
 

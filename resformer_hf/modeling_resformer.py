@@ -18,12 +18,10 @@ from transformers import initialization as init
 from transformers.cache_utils import Cache
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
     GenericForTokenClassification,
-    GradientCheckpointingLayer,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -40,10 +38,21 @@ from transformers.models.llama.modeling_llama import (
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring
 
-# Internal transformers utilities (not public API), used exactly as modeling_llama.py 5.23 uses them.
+# Internal transformers utilities (not public API), used exactly as modeling_llama.py 5.19-5.24 uses them.
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from ._compat import (
+    ALL_PARALLEL_STYLES,
+    CACHE_ARGUMENT,
+    GradientCheckpointingLayer,
+    accepts_cache,
+    create_causal_mask,
+    generation_cache,
+    model_output,
+    refuse_unread_cache,
+    update_cache,
+)
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, VARIANTS, ResFormerConfig
 from .peft_support import register_peft_target_modules
@@ -61,7 +70,6 @@ try:  # transformers' pipeline stages put this placeholder where a layer lives o
 except ImportError:
     PipelineIdentityLayer = ()
 if torch.distributed.is_available():
-    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
     from transformers.distributed.tensor_parallel import TensorParallelLayer
 else:  # no torch.distributed, no tensor parallelism
     TensorParallelLayer = object
@@ -112,7 +120,7 @@ class ResFormerAttention(LlamaAttention):
         value_weights: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Returns (attention output, attention weights, the stack of raw values for later layers)."""
@@ -142,8 +150,8 @@ class ResFormerAttention(LlamaAttention):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -191,7 +199,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         value_weights: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
@@ -204,7 +212,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
             value_weights,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -225,7 +233,7 @@ class ResFormerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ResFormerDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = [CACHE_ARGUMENT]
     _keep_in_fp32_modules_strict = ["value_residual"]
     _supports_flash_attn = True
     _supports_sdpa = True
@@ -359,6 +367,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
 
         self.post_init()
 
+    @accepts_cache
     @merge_with_config_defaults
     @capture_outputs
     @auto_docstring
@@ -367,24 +376,29 @@ class ResFormerModel(ResFormerPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> BaseModelOutputWithPast:
+        r"""
+        cache (`Cache`, *optional*):
+            The KV cache to read and extend (`past_key_values` before transformers 5.24, which is still accepted).
+        """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if isinstance(self.layers[0], PipelineIdentityLayer) or isinstance(self.norm, PipelineIdentityLayer):
             raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)  # split by transformers' pipeline stages
+        refuse_unread_cache(kwargs, f"{type(self).__name__}.forward")
 
         if inputs_embeds is None:
             inputs_embeds: torch.Tensor = self.embed_tokens(input_ids)
 
-        if use_cache and past_key_values is None:
-            past_key_values = new_dynamic_cache(self.config)
+        if use_cache and cache is None:
+            cache = new_dynamic_cache(self.config)
 
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
@@ -392,7 +406,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
             config=self.config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             position_ids=position_ids,
         )
 
@@ -409,16 +423,13 @@ class ResFormerModel(ResFormerPreTrainedModel):
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 use_cache=use_cache,
                 **kwargs,
             )
 
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
-        )
+        return model_output(BaseModelOutputWithPast, last_hidden_state=hidden_states, cache=cache)
 
 
 @auto_docstring
@@ -441,9 +452,9 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate()`'s own cache (dynamic, static, ...), with values stored once for SVFormer; a cache the user
-        passed in is left as it is. A private `GenerationMixin` hook of transformers 5.23."""
+        passed in is left as it is. A private `GenerationMixin` hook of transformers 5.19-5.24."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        cache = generation_cache(model_kwargs)
         user_defined = getattr(cache, "_is_user_defined", False)
         if self.config.layers_without_value_projection and cache is not None and not user_defined:
             share_first_layer_values(cache)
@@ -480,7 +491,7 @@ class ValueResidualTensorParallel(TensorParallelLayer):
         return _SumGradientOverRanks.apply(output, mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp"))
 
 
-if torch.distributed.is_available():
+if ALL_PARALLEL_STYLES is not None:
     ALL_PARALLEL_STYLES.register("value_residual_weights", ValueResidualTensorParallel())
 
 

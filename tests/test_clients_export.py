@@ -9,6 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM, export_with_dynamic_cache
 
+from resformer_hf._compat import cache_of, with_cache
+
 MAX_CACHE_LEN = 32
 
 
@@ -63,12 +65,12 @@ def test_torch_export_with_a_dynamic_cache_matches_eager(name, client_folders):
     mask = torch.ones_like(input_ids)
     program = export_with_dynamic_cache(model, input_ids, mask)
     outputs = program.module()(input_ids=input_ids, attention_mask=mask,
-                               past_key_values=DynamicCache(config=model.config), use_cache=True)
+                               **with_cache(DynamicCache(config=model.config)), use_cache=True)
     torch.testing.assert_close(outputs.logits, eager_logits(model, input_ids), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
-        eager = model(input_ids, use_cache=True).past_key_values
-    assert outputs.past_key_values.get_seq_length() == eager.get_seq_length() == 9
-    for exported_layer, eager_layer in zip(outputs.past_key_values.layers, eager.layers):
+        eager = cache_of(model(input_ids, use_cache=True))
+    assert cache_of(outputs).get_seq_length() == eager.get_seq_length() == 9
+    for exported_layer, eager_layer in zip(cache_of(outputs).layers, eager.layers):
         torch.testing.assert_close(exported_layer.keys, eager_layer.keys)
         torch.testing.assert_close(exported_layer.values, eager_layer.values)
 

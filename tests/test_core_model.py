@@ -6,9 +6,10 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
+from resformer_hf._compat import with_cache
 
 from helpers import TINY, model_with_random_lambdas, tiny_config
 from reference import reference_logits
@@ -79,6 +80,19 @@ def test_attention_backends_agree(variant):
         assert (logits[backend][keep] - logits["eager"][keep]).abs().max().item() <= 1e-5, backend
 
 
+def enable_checkpointing(model, use_reentrant: bool) -> None:
+    """transformers 5.23 renamed `gradient_checkpointing_enable` (still there, deprecated) to
+    `activation_checkpointing_enable`; use the release's own name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
+def disable_checkpointing(model) -> None:
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
 @pytest.mark.parametrize("variant", ["learnable", "learnable_plus", "dense", "neutreno", "svformer"])
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_gives_the_same_gradients(variant, use_reentrant):
@@ -91,14 +105,32 @@ def test_gradient_checkpointing_gives_the_same_gradients(variant, use_reentrant)
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     plain = gradients()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    enable_checkpointing(model, use_reentrant)
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = gradients()
-    model.activation_checkpointing_disable()
+    disable_checkpointing(model)
     assert plain.keys() == checkpointed.keys()
     assert any("value_residual" in n for n in plain) == (variant in ("learnable", "learnable_plus", "dense"))
     for name in plain:
         assert torch.allclose(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("variant", ["learnable_plus", "svformer"])
+def test_gradient_checkpointing_drops_a_cache_passed_in_training(variant):
+    """The backward replay of a checkpointed layer would write a cache a second time (attention over twice the keys):
+    the cache is dropped under checkpointing, whatever this release calls it, and the gradients are the plain ones."""
+    model = randomised_model(variant).train()
+    input_ids = torch.randint(3, 128, (2, 9))
+    model(input_ids, labels=input_ids).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    enable_checkpointing(model, use_reentrant=True)
+    cache = DynamicCache(config=model.config)
+    model(input_ids, labels=input_ids, use_cache=True, **with_cache(cache)).loss.backward()
+    disable_checkpointing(model)
+    assert cache.get_seq_length() == 0
+    for name, gradient in plain.items():
+        assert torch.allclose(gradient, dict(model.named_parameters())[name].grad, atol=1e-6, rtol=1e-5), name
 
 
 @pytest.mark.parametrize("variant", ["learnable", "learnable_plus", "dense"])

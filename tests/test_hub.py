@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerFast
 import resformer_hf
 from resformer_hf import ResFormerForCausalLM, ResFormerForSequenceClassification
 from resformer_hf import hub as resformer_hub
+from resformer_hf._compat import cache_of
 
 from helpers import tiny_config
 
@@ -331,4 +332,4 @@ def test_every_publishing_path_finishes_the_folder_the_same_way(tmp_path):
         assert {path.name for path in (tmp_path / folder).glob("*.py")} == EXPECTED_CODE_FILES
         assert ModelCard.load(tmp_path / folder / "README.md").data.library_name == "transformers"
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder)
-        assert loaded(torch.tensor([[1, 2, 3]])).past_key_values is not None
+        assert cache_of(loaded(torch.tensor([[1, 2, 3]]))) is not None

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from resformer_hf import ResFormerForCausalLM, cache_nbytes
+from resformer_hf._compat import cache_of, with_cache
 
 from helpers import llama_pair, tiny_config
 
@@ -45,10 +46,10 @@ def test_quantized_cache_generates_like_llama_and_counts_its_packed_bytes(backen
     ours = quantized_generate(resformer, input_ids, backend, nbits)
     assert torch.equal(ours.sequences, theirs.sequences)
     expected = expected_bytes(resformer.config, 2, nbits)
-    assert cache_nbytes(theirs.past_key_values) == cache_nbytes(ours.past_key_values) == expected
+    assert cache_nbytes(cache_of(theirs)) == cache_nbytes(cache_of(ours)) == expected
 
     full = resformer.generate(input_ids, max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)
-    assert cache_nbytes(full.past_key_values) > 2.5 * expected  # float32 for every token
+    assert cache_nbytes(cache_of(full)) > 2.5 * expected  # float32 for every token
 
 
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
@@ -61,10 +62,10 @@ def test_svformer_and_dense_run_with_a_quantized_cache(backend):
         model = ResFormerForCausalLM(tiny_config(variant)).eval()
         out = quantized_generate(model, input_ids, backend, 4)
         assert out.sequences.shape == (1, PROMPT + NEW_TOKENS)
-        assert cache_nbytes(out.past_key_values) == expected_bytes(model.config, 1, 4)
+        assert cache_nbytes(cache_of(out)) == expected_bytes(model.config, 1, 4)
         with torch.no_grad():
             exact = model(out.sequences[:, :-1]).logits[:, PROMPT - 1:]
-            cached = model(out.sequences[:, PROMPT:-1], past_key_values=quantized_prefill(model, input_ids, backend),
+            cached = model(out.sequences[:, PROMPT:-1], **with_cache(quantized_prefill(model, input_ids, backend)),
                            ).logits
         assert torch.allclose(cached, exact[:, 1:], atol=0.05), (cached - exact[:, 1:]).abs().max()
 
@@ -75,5 +76,5 @@ def quantized_prefill(model, input_ids, backend):
     cache = QuantizedCache(backend=backend, config=model.config, nbits=4, q_group_size=GROUP,
                            residual_length=RESIDUAL)
     with torch.no_grad():
-        model(input_ids, past_key_values=cache, use_cache=True)
+        model(input_ids, **with_cache(cache), use_cache=True)
     return cache

@@ -9,6 +9,7 @@ from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausa
 from transformers.cache_utils import DynamicLayer
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM, cache_nbytes
+from resformer_hf._compat import cache_of, with_cache
 from resformer_hf.cache_resformer import share_first_layer_values
 
 from helpers import TINY
@@ -48,7 +49,7 @@ def decode(model, cache, tokens: torch.Tensor, logits: torch.Tensor, steps: int)
     for _ in range(steps):
         next_token = logits[:, -1:].argmax(-1)
         tokens = torch.cat([tokens, next_token], dim=1)
-        logits = model(next_token, past_key_values=cache, use_cache=True).logits
+        logits = model(next_token, **with_cache(cache), use_cache=True).logits
     return tokens, logits[:, -1]
 
 
@@ -59,7 +60,7 @@ def test_dynamic_cache_bytes_follow_the_formula_and_decoding_matches_uncached(sh
     prompt = torch.randint(3, 128, (2, 7))
 
     out = model(prompt, use_cache=True)
-    cache = out.past_key_values
+    cache = cache_of(out)
     assert cache_nbytes(cache) == kv_bytes(2, kv_heads, 7, LAYERS + 1)
     assert_values_shared(cache)
 
@@ -70,7 +71,7 @@ def test_dynamic_cache_bytes_follow_the_formula_and_decoding_matches_uncached(sh
     assert (step_logits - uncached).abs().max() < 1e-5
 
     llama = llama_like(model)
-    llama_cache = llama(tokens, use_cache=True).past_key_values
+    llama_cache = cache_of(llama(tokens, use_cache=True))
     assert cache_nbytes(llama_cache) == kv_bytes(2, kv_heads, 12, 2 * LAYERS)
     assert cache_nbytes(cache) / cache_nbytes(llama_cache) == (LAYERS + 1) / (2 * LAYERS)
 
@@ -85,27 +86,27 @@ def test_generate_default_and_static_caches_store_values_once_and_match_uncached
     dynamic = model.generate(prompt, max_new_tokens=10, return_dict_in_generate=True, **GREEDY)
     assert torch.equal(dynamic.sequences, uncached)
     # The cache holds every token but the last one generated.
-    assert cache_nbytes(dynamic.past_key_values) == kv_bytes(2, kv_heads, 15, LAYERS + 1)
-    assert_values_shared(dynamic.past_key_values)
+    assert cache_nbytes(cache_of(dynamic)) == kv_bytes(2, kv_heads, 15, LAYERS + 1)
+    assert_values_shared(cache_of(dynamic))
 
     static = model.generate(prompt, max_new_tokens=10, cache_implementation="static", return_dict_in_generate=True,
                             **GREEDY)
     assert torch.equal(static.sequences, uncached)
-    capacity = static.past_key_values.get_max_length()
+    capacity = cache_of(static).get_max_length()
     assert capacity >= 15
     counters = 8 * LAYERS  # one int64 position counter per static layer
-    assert cache_nbytes(static.past_key_values) == kv_bytes(2, kv_heads, capacity, LAYERS + 1) + counters
-    assert_values_shared(static.past_key_values)
+    assert cache_nbytes(cache_of(static)) == kv_bytes(2, kv_heads, capacity, LAYERS + 1) + counters
+    assert_values_shared(cache_of(static))
 
     # Chunked prefill early-initialises the static cache before the first forward; the saving must survive that.
     chunked = model.generate(prompt, max_new_tokens=10, cache_implementation="static", prefill_chunk_size=4,
                              return_dict_in_generate=True, **GREEDY)
     assert torch.equal(chunked.sequences, uncached)
-    assert cache_nbytes(chunked.past_key_values) == cache_nbytes(static.past_key_values)
+    assert cache_nbytes(cache_of(chunked)) == cache_nbytes(cache_of(static))
 
     # A cache the caller builds is used as given: the stock layout, same tokens.
     standard = DynamicCache(config=model.config)
-    given = model.generate(prompt, max_new_tokens=10, past_key_values=standard, return_dict_in_generate=True,
+    given = model.generate(prompt, max_new_tokens=10, **with_cache(standard), return_dict_in_generate=True,
                            **GREEDY)
     assert torch.equal(given.sequences, uncached)
     assert cache_nbytes(standard) == kv_bytes(2, kv_heads, 15, 2 * LAYERS)
@@ -119,8 +120,8 @@ def test_static_cache_bytes_after_prefill_and_decode_against_llama():
     llama_cache = StaticCache(config=llama.config, max_cache_len=16)
     counters = 8 * LAYERS
 
-    model(prompt, past_key_values=cache, use_cache=True)
-    llama(prompt, past_key_values=llama_cache, use_cache=True)
+    model(prompt, **with_cache(cache), use_cache=True)
+    llama(prompt, **with_cache(llama_cache), use_cache=True)
     assert cache_nbytes(cache) == kv_bytes(1, 2, 16, LAYERS + 1) + counters
     assert cache_nbytes(llama_cache) == kv_bytes(1, 2, 16, 2 * LAYERS) + counters
 
@@ -128,8 +129,8 @@ def test_static_cache_bytes_after_prefill_and_decode_against_llama():
     for _ in range(4):
         next_token = torch.randint(3, 128, (1, 1))
         tokens = torch.cat([tokens, next_token], dim=1)
-        step = model(next_token, past_key_values=cache, use_cache=True).logits[:, -1]
-        llama(next_token, past_key_values=llama_cache, use_cache=True)
+        step = model(next_token, **with_cache(cache), use_cache=True).logits[:, -1]
+        llama(next_token, **with_cache(llama_cache), use_cache=True)
     assert int(cache.get_seq_length()) == 9
     assert cache_nbytes(cache) == kv_bytes(1, 2, 16, LAYERS + 1) + counters
     assert cache_nbytes(llama_cache) == kv_bytes(1, 2, 16, 2 * LAYERS) + counters
@@ -161,20 +162,20 @@ def test_beam_search_equals_the_model_without_the_cache_trick():
     assert torch.equal(ours.sequences, theirs.sequences)
     assert (ours.sequences_scores - theirs.sequences_scores).abs().max() < 1e-5
     # Beam search reordered both caches; ours still shares one value tensor and is (L+1)/(2L) of the reference's.
-    assert_values_shared(ours.past_key_values)
-    ratio = cache_nbytes(ours.past_key_values) / cache_nbytes(theirs.past_key_values)
+    assert_values_shared(cache_of(ours))
+    ratio = cache_nbytes(cache_of(ours)) / cache_nbytes(cache_of(theirs))
     assert ratio == (LAYERS + 1) / (2 * LAYERS)
 
 
 def test_crop_then_decode_matches_uncached_and_assisted_decoding_matches_greedy():
     model = svformer()
     tokens = torch.randint(3, 128, (2, 10))
-    cache = model(tokens, use_cache=True).past_key_values
+    cache = cache_of(model(tokens, use_cache=True))
     cache.crop(-4)  # what assisted decoding does after rejecting draft tokens
     assert cache.get_seq_length() == 6 and all(layer.keys.shape[-2] == 6 for layer in cache.layers)
     assert_values_shared(cache)
     assert cache.layers[0].values.shape[-2] == 6
-    logits = model(tokens[:, 6:], past_key_values=cache, use_cache=True).logits
+    logits = model(tokens[:, 6:], **with_cache(cache), use_cache=True).logits
     assert (logits - model(tokens).logits[:, 6:]).abs().max() < 1e-5
 
     torch.manual_seed(1)
@@ -188,12 +189,12 @@ def test_batch_repeat_and_select_keep_values_shared_and_correct():
     model = svformer()
     tokens = torch.randint(3, 128, (2, 6))
     next_tokens = torch.randint(3, 128, (4, 1))
-    cache = model(tokens, use_cache=True).past_key_values
+    cache = cache_of(model(tokens, use_cache=True))
 
     cache.batch_repeat_interleave(2)  # what contrastive / group searches do to expand the batch
     repeated = tokens.repeat_interleave(2, dim=0)
     assert cache_nbytes(cache) == kv_bytes(4, 2, 6, LAYERS + 1)
-    logits = model(next_tokens, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(next_tokens, **with_cache(cache), use_cache=True).logits[:, -1]
     full = torch.cat([repeated, next_tokens], dim=1)
     assert (logits - model(full).logits[:, -1]).abs().max() < 1e-5
 
@@ -202,7 +203,7 @@ def test_batch_repeat_and_select_keep_values_shared_and_correct():
     assert_values_shared(cache)
     assert cache_nbytes(cache) == kv_bytes(2, 2, 7, LAYERS + 1)
     last = torch.randint(3, 128, (2, 1))
-    logits = model(last, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(last, **with_cache(cache), use_cache=True).logits[:, -1]
     assert (logits - model(torch.cat([full[keep], last], dim=1)).logits[:, -1]).abs().max() < 1e-5
 
 
@@ -230,8 +231,8 @@ def test_other_variants_keep_the_standard_cache():
     torch.manual_seed(0)
     model = ResFormerForCausalLM(config("learnable_plus")).eval()
     out = model.generate(torch.randint(3, 128, (1, 4)), max_new_tokens=3, return_dict_in_generate=True, **GREEDY)
-    assert all(type(layer) is DynamicLayer for layer in out.past_key_values.layers)
-    assert cache_nbytes(out.past_key_values) == kv_bytes(1, 2, 6, 2 * LAYERS)
+    assert all(type(layer) is DynamicLayer for layer in cache_of(out).layers)
+    assert cache_nbytes(cache_of(out)) == kv_bytes(1, 2, 6, 2 * LAYERS)
 
 
 def test_cache_nbytes_rejects_what_is_not_a_cache():
