@@ -8,7 +8,6 @@ torch, transformers and its sibling files.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
@@ -43,7 +42,6 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ._compat import (
-    ALL_PARALLEL_STYLES,
     CACHE_ARGUMENT,
     GradientCheckpointingLayer,
     accepts_cache,
@@ -54,7 +52,9 @@ from ._compat import (
     update_cache,
 )
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
-from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, VARIANTS, ResFormerConfig
+from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, ResFormerConfig
+from .loading import check_lambdas_are_finite, check_value_projections
+from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, gather_in_float32, is_pipeline_stage, refuse_pipeline_parallel
 from .peft_support import register_peft_target_modules
 from .value_residual import (
     LAMBDA_CHECKPOINT_CONVERSIONS,
@@ -65,26 +65,9 @@ from .value_residual import (
     project_and_mix_first,
 )
 
-try:  # transformers' pipeline stages put this placeholder where a layer lives on another stage
-    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
-except ImportError:
-    PipelineIdentityLayer = ()
-if torch.distributed.is_available():
-    from transformers.distributed.tensor_parallel import TensorParallelLayer
-else:  # no torch.distributed, no tensor parallelism
-    TensorParallelLayer = object
-
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
 
-PIPELINE_PARALLEL_UNSUPPORTED = (
-    "ResFormer does not support pipeline parallelism (pp_size > 1): every layer n >= 1 mixes in layer 0's values V_0 "
-    "(value_residual='dense': every earlier layer's values), which travel from layer to layer next to the hidden "
-    "states, but transformers' pipeline stages hand only the hidden states to the next stage, so later stages would "
-    "never see V_0. Use tensor parallelism (DistributedConfig(tp_size=N)) and/or FSDP2 (DistributedConfig("
-    "fsdp_size=N)) to spread the model over devices, or device_map='auto' to split its layers across the devices of "
-    "one process."
-)
 
 
 class ResFormerAttention(LlamaAttention):
@@ -280,73 +263,33 @@ class ResFormerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def prepare_distribute_model(cls, distributed_config, device_map=None):
-        """Refuse pipeline parallelism before anything is built (see `PIPELINE_PARALLEL_UNSUPPORTED`).
+        """Refuse pipeline parallelism before anything is built (see `parallelism.PIPELINE_PARALLEL_UNSUPPORTED`).
 
-        A transformers hook (`DistributedMixin`): 5.23's `from_pretrained` calls it with `distributed_config` (a
+        A transformers hook (`DistributedMixin`): `from_pretrained` calls it with `distributed_config` (a
         `DistributedConfig` or a dict) before it builds the device mesh and the model.
         """
-        if isinstance(distributed_config, dict):
-            pp_size = distributed_config.get("pp_size")
-        else:
-            pp_size = getattr(distributed_config, "pp_size", None)
-        if pp_size is not None and pp_size > 1:
-            raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)
+        refuse_pipeline_parallel(distributed_config)
         return super().prepare_distribute_model(distributed_config, device_map=device_map)
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision` (see
-        `_gather_in_float32`). A transformers hook (`DistributedMixin`): 5.23's `from_pretrained` calls it once the
-        model is built (on the meta device), before the weights are loaded."""
+        """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision`
+        (`parallelism.gather_in_float32`). A transformers hook (`DistributedMixin`): `from_pretrained` calls it once
+        the model is built (on the meta device), before the weights are loaded."""
         model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
         if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
-            _gather_in_float32(model.base_model.value_residual)
+            gather_in_float32(model.base_model.value_residual)
         return model
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
-        """Refuse a checkpoint of the other value-projection layout instead of dropping or random-initialising v_proj.
+        """Refuse a checkpoint of another variant's v_proj layout, or with non-finite λ (`loading.py`).
 
-        A private transformers hook: 5.23's `PreTrainedModel._finalize_model_loading` calls it once the weights are
-        loaded and missing ones initialised, which is when both checks here can be made.
-
-        SVFormer layers n >= 1 have no `v_proj`; every other variant has one. A mismatch means the checkpoint was
-        trained as a different variant than the config says.
+        A private transformers hook: `PreTrainedModel._finalize_model_loading` calls it once the weights are loaded
+        and missing ones initialised, which is when both checks can be made.
         """
         super()._adjust_missing_and_unexpected_keys(loading_info)
-        config = self.config
-        without = set(config.layers_without_value_projection)
-        extra = [layer for layer in _layers_with(loading_info.unexpected_keys, "v_proj") if layer in without]
-        if extra:
-            raise ValueError(
-                f"Variant mismatch: the model is value_residual={config.value_residual!r}, which has no v_proj in "
-                f"layers {sorted(without)}, but the checkpoint has v_proj weights for layers {extra}, so it was "
-                "trained as another variant. Load it with the value_residual its config.json names."
-            )
-        # Missing v_proj means "trained without them" only where the same layer's other projections did load: a
-        # checkpoint that lacks everything (wrong prefix, another model) gets transformers' missing-keys report.
-        loaded_layers = set(range(config.num_hidden_layers)) - set(_layers_with(loading_info.missing_keys, "q_proj"))
-        absent = [
-            layer for layer in _layers_with(loading_info.missing_keys, "v_proj")
-            if layer not in without and layer in loaded_layers
-        ]
-        if absent:
-            reusing = [name for name, spec in VARIANTS.items() if spec.drops_value_projections]
-            raise ValueError(
-                f"Variant mismatch: the model is value_residual={config.value_residual!r}, but the checkpoint has no "
-                f"v_proj weights for layers {absent} while their other projections are there, so it was trained "
-                f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names "
-                "instead of random-initialising those projections."
-            )
-        self._check_lambdas_are_finite()
-
-    def _check_lambdas_are_finite(self) -> None:
-        """Refuse NaN/inf λ from a checkpoint, as the config refuses them: they would silently give NaN logits."""
-        for name, parameter in self.base_model.value_residual.named_parameters():
-            if parameter.device.type != "meta" and not torch.isfinite(parameter.detach()).all():
-                raise ValueError(
-                    f"The checkpoint's model.value_residual.{name} holds NaN or infinite values, so the model would "
-                    "output NaN. Load a healthy save of the checkpoint instead."
-                )
+        check_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
+        check_lambdas_are_finite(self.base_model.value_residual)
 
 
 @auto_docstring
@@ -387,7 +330,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
-        if isinstance(self.layers[0], PipelineIdentityLayer) or isinstance(self.norm, PipelineIdentityLayer):
+        if is_pipeline_stage(self):
             raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)  # split by transformers' pipeline stages
         refuse_unread_cache(kwargs, f"{type(self).__name__}.forward")
 
@@ -458,71 +401,6 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
         user_defined = getattr(cache, "_is_user_defined", False)
         if self.config.layers_without_value_projection and cache is not None and not user_defined:
             share_first_layer_values(cache)
-
-
-class _SumGradientOverRanks(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the process group."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class ValueResidualTensorParallel(TensorParallelLayer):
-    """Tensor-parallel style of the λ module (`"value_residual_weights"`): replicated λ, summed weight gradients.
-
-    Every rank holds all λ, but mixes values only on its own kv heads, so its gradient of the mixing weights is its
-    heads' share. The shares are summed over the ranks in backward, before they reach the λ: every rank then gets the
-    complete λ gradient, and micro-batches accumulate correctly. (transformers' `replicated_with_grad_allreduce`
-    all-reduces each parameter's accumulated `.grad` after every backward pass instead, which adds the earlier
-    micro-batches' already-summed gradients again under gradient accumulation.)
-    """
-
-    def transform_output_post_forward(self, module, output, mesh):
-        if not (torch.is_grad_enabled() and output.requires_grad):
-            return output
-        return _SumGradientOverRanks.apply(output, mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp"))
-
-
-if ALL_PARALLEL_STYLES is not None:
-    ALL_PARALLEL_STYLES.register("value_residual_weights", ValueResidualTensorParallel())
-
-
-def _gather_in_float32(value_residual: nn.Module) -> None:
-    """Switch the FSDP2 group of the λ (their own group, `base_model_fsdp_plan`) to gather them in float32.
-
-    transformers' `fsdp_mixed_precision` gives every group one bfloat16 policy, though the λ are meant to stay
-    float32 (`_keep_in_fp32_modules_strict`), as the torch recipe `fully_shard(value_residual,
-    mp_policy=MixedPrecisionPolicy())` keeps them. FSDP2 has no public setter for a group's policy, so this sets the
-    private attributes torch 2.13's FSDP2 reads it from (`FSDPState._mp_policy`, `FSDPParamGroup.mp_policy`,
-    `FSDPParam.mp_policy`); the group reads them at its first forward, which is after this.
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    state = fully_shard.state(value_residual)
-    group = state._fsdp_param_group if state is not None else None
-    if group is None:  # fixed λ (no parameters), or an `fsdp_plan` that left the λ in their parent's group
-        return
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    state._mp_policy = group.mp_policy = policy
-    for parameter in group.fsdp_params:
-        parameter.mp_policy = policy
-
-
-_PROJECTION_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.")
-
-
-def _layers_with(keys, projection: str) -> list[int]:
-    """Sorted layer indices that have a `self_attn.<projection>` entry among `keys`."""
-    matches = (_PROJECTION_KEY.search(key) for key in keys)
-    return sorted({int(match.group(1)) for match in matches if match and match.group(2) == projection})
 
 
 class ResFormerForSequenceClassification(GenericForSequenceClassification, ResFormerPreTrainedModel): ...

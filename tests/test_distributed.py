@@ -25,7 +25,7 @@ from transformers.distributed import DistributedConfig
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 import resformer_hf
-from resformer_hf.modeling_resformer import PIPELINE_PARALLEL_UNSUPPORTED
+from resformer_hf.parallelism import PIPELINE_PARALLEL_UNSUPPORTED
 
 from helpers import TINY, model_with_random_lambdas, save_with_scalar_lambda_scale, tiny_config
 

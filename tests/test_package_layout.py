@@ -53,3 +53,25 @@ def test_argparse_lives_only_in_the_cli_layer():
 def test_split_modules_stay_small(folder):
     sizes = {path.name: len(path.read_text(encoding="utf-8").splitlines()) for path in (PACKAGE / folder).glob("*.py")}
     assert sizes and max(sizes.values()) <= 400, sizes
+
+
+def test_only_the_package_entry_imports_the_cli_layer():
+    """The command-line layer sits on top of the library: library modules never import it back (no import circles);
+    only `resformer_hf/__init__.py` imports `cli.startup`, which is the standard library only."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] == "cli" or relative == Path("__init__.py"):
+            continue
+        folders = list(relative.parts[:-1])
+        for level, module in _imports(path):
+            base = ["resformer_hf", *folders[: len(folders) - level + 1]] if level else []
+            absolute = base + (module.split(".") if module else [])
+            if absolute[:2] == ["resformer_hf", "cli"]:
+                offenders.append((str(relative), level, module))
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("name", ["modeling_resformer.py", "value_residual.py"])
+def test_the_modeling_files_stay_readable(name):
+    assert len((PACKAGE / name).read_text(encoding="utf-8").splitlines()) <= 450

@@ -7,19 +7,9 @@ writes a comparison of several checkpoints as `summary.md`. The command is `resf
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from .metrics import attention_entropy, lambda_table, token_similarity
 from .plots import plot_attention_entropy, plot_lambdas, plot_per_layer, plot_token_similarity
 from .report import AnalysisError, analyze_checkpoints, read_text_file
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The `resformer-analyze` command (kept here for console scripts installed before `resformer_hf.cli`)."""
-    from ..cli.analyze import main as command
-
-    return command(argv)
-
 
 __all__ = [
     "AnalysisError",

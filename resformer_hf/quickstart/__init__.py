@@ -8,8 +8,6 @@ sample (or text files / a `datasets` dataset), generates a sample and writes a H
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ..text import SAMPLE_DESCRIPTION
 from .steps import (
     SMALL_LLAMA,
@@ -26,14 +24,6 @@ from .steps import (
     load_tokenizer,
 )
 from .workflow import DEFAULT_OUTPUT, QuickstartOutcome, QuickstartSettings, run_quickstart
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The `resformer-quickstart` command (kept here for console scripts installed before `resformer_hf.cli`)."""
-    from ..cli.quickstart import main as command
-
-    return command(argv)
-
 
 __all__ = [
     "DEFAULT_OUTPUT",

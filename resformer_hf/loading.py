@@ -1,0 +1,62 @@
+"""What loading a checkpoint must refuse: a value-projection layout of another variant, and non-finite λ.
+
+transformers would drop unexpected v_proj weights or random-initialise missing ones; for a ResFormer either means the
+checkpoint was trained as another variant, so the load stops and says which. This file is copied next to
+`config.json` for `trust_remote_code`, so it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .configuration_resformer import VARIANTS, ResFormerConfig
+
+
+def check_value_projections(config: ResFormerConfig, missing_keys, unexpected_keys) -> None:
+    """Refuse a checkpoint of the other value-projection layout instead of dropping or random-initialising v_proj.
+
+    SVFormer layers n >= 1 have no `v_proj`; every other variant has one. A mismatch means the checkpoint was
+    trained as a different variant than the config says.
+    """
+    without = set(config.layers_without_value_projection)
+    extra = [layer for layer in _layers_with(unexpected_keys, "v_proj") if layer in without]
+    if extra:
+        raise ValueError(
+            f"Variant mismatch: the model is value_residual={config.value_residual!r}, which has no v_proj in "
+            f"layers {sorted(without)}, but the checkpoint has v_proj weights for layers {extra}, so it was "
+            "trained as another variant. Load it with the value_residual its config.json names."
+        )
+    # Missing v_proj means "trained without them" only where the same layer's other projections did load: a
+    # checkpoint that lacks everything (wrong prefix, another model) gets transformers' missing-keys report.
+    loaded_layers = set(range(config.num_hidden_layers)) - set(_layers_with(missing_keys, "q_proj"))
+    absent = [layer for layer in _layers_with(missing_keys, "v_proj") if layer in loaded_layers - without]
+    if absent:
+        reusing = [name for name, spec in VARIANTS.items() if spec.drops_value_projections]
+        raise ValueError(
+            f"Variant mismatch: the model is value_residual={config.value_residual!r}, but the checkpoint has no "
+            f"v_proj weights for layers {absent} while their other projections are there, so it was trained "
+            f"without them ({' or '.join(reusing)}). Load it with the value_residual its config.json names "
+            "instead of random-initialising those projections."
+        )
+
+
+def check_lambdas_are_finite(value_residual: nn.Module) -> None:
+    """Refuse NaN/inf λ from a checkpoint, as the config refuses them: they would silently give NaN logits."""
+    for name, parameter in value_residual.named_parameters():
+        if parameter.device.type != "meta" and not torch.isfinite(parameter.detach()).all():
+            raise ValueError(
+                f"The checkpoint's model.value_residual.{name} holds NaN or infinite values, so the model would "
+                "output NaN. Load a healthy save of the checkpoint instead."
+            )
+
+
+_PROJECTION_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.")
+
+
+def _layers_with(keys, projection: str) -> list[int]:
+    """Sorted layer indices that have a `self_attn.<projection>` entry among `keys`."""
+    matches = (_PROJECTION_KEY.search(key) for key in keys)
+    return sorted({int(match.group(1)) for match in matches if match and match.group(2) == projection})

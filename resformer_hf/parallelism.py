@@ -1,0 +1,103 @@
+"""How a ResFormer runs under transformers' parallelism: tensor parallel, FSDP2 mixed precision, pipeline parallel.
+
+The λ are replicated wherever the weights are sharded, so each engine needs one thing said about them: tensor parallel
+sums their gradient over the ranks (`value_residual_weights`), FSDP2 mixed precision gathers them in float32, and
+pipeline parallel is refused, because V_0 cannot cross transformers' stages. This file is copied next to
+`config.json` for `trust_remote_code`, so it imports only torch, transformers and its sibling files.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._compat import ALL_PARALLEL_STYLES
+
+try:  # transformers' pipeline stages put this placeholder where a layer lives on another stage
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+except ImportError:
+    PipelineIdentityLayer = ()
+if torch.distributed.is_available():
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+else:  # no torch.distributed, no tensor parallelism
+    TensorParallelLayer = object
+
+PIPELINE_PARALLEL_UNSUPPORTED = (
+    "ResFormer does not support pipeline parallelism (pp_size > 1): every layer n >= 1 mixes in layer 0's values V_0 "
+    "(value_residual='dense': every earlier layer's values), which travel from layer to layer next to the hidden "
+    "states, but transformers' pipeline stages hand only the hidden states to the next stage, so later stages would "
+    "never see V_0. Use tensor parallelism (DistributedConfig(tp_size=N)) and/or FSDP2 (DistributedConfig("
+    "fsdp_size=N)) to spread the model over devices, or device_map='auto' to split its layers across the devices of "
+    "one process."
+)
+
+
+def refuse_pipeline_parallel(distributed_config) -> None:
+    """Raise `PIPELINE_PARALLEL_UNSUPPORTED` for a `DistributedConfig` (object or dict) with pp_size > 1."""
+    if isinstance(distributed_config, dict):
+        pp_size = distributed_config.get("pp_size")
+    else:
+        pp_size = getattr(distributed_config, "pp_size", None)
+    if pp_size is not None and pp_size > 1:
+        raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)
+
+
+def is_pipeline_stage(model: nn.Module) -> bool:
+    """Whether transformers' pipeline stages replaced some of the base model's layers with placeholders."""
+    return isinstance(model.layers[0], PipelineIdentityLayer) or isinstance(model.norm, PipelineIdentityLayer)
+
+
+class _SumGradientOverRanks(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the process group."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ValueResidualTensorParallel(TensorParallelLayer):
+    """Tensor-parallel style of the λ module (`"value_residual_weights"`): replicated λ, summed weight gradients.
+
+    Every rank holds all λ, but mixes values only on its own kv heads, so its gradient of the mixing weights is its
+    heads' share. The shares are summed over the ranks in backward, before they reach the λ: every rank then gets the
+    complete λ gradient, and micro-batches accumulate correctly. (transformers' `replicated_with_grad_allreduce`
+    all-reduces each parameter's accumulated `.grad` after every backward pass instead, which adds the earlier
+    micro-batches' already-summed gradients again under gradient accumulation.)
+    """
+
+    def transform_output_post_forward(self, module, output, mesh):
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            return output
+        return _SumGradientOverRanks.apply(output, mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp"))
+
+
+if ALL_PARALLEL_STYLES is not None:
+    ALL_PARALLEL_STYLES.register("value_residual_weights", ValueResidualTensorParallel())
+
+
+def gather_in_float32(value_residual: nn.Module) -> None:
+    """Switch the FSDP2 group of the λ (their own group, `base_model_fsdp_plan`) to gather them in float32.
+
+    transformers' `fsdp_mixed_precision` gives every group one bfloat16 policy, though the λ are meant to stay
+    float32 (`_keep_in_fp32_modules_strict`), as the torch recipe `fully_shard(value_residual,
+    mp_policy=MixedPrecisionPolicy())` keeps them. FSDP2 has no public setter for a group's policy, so this sets the
+    private attributes torch 2.13's FSDP2 reads it from (`FSDPState._mp_policy`, `FSDPParamGroup.mp_policy`,
+    `FSDPParam.mp_policy`); the group reads them at its first forward, which is after this.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    state = fully_shard.state(value_residual)
+    group = state._fsdp_param_group if state is not None else None
+    if group is None:  # fixed λ (no parameters), or an `fsdp_plan` that left the λ in their parent's group
+        return
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    state._mp_policy = group.mp_policy = policy
+    for parameter in group.fsdp_params:
+        parameter.mp_policy = policy
