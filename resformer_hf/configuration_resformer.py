@@ -12,7 +12,7 @@ This file is copied next to `config.json` for `trust_remote_code` loading, so it
 
 from __future__ import annotations
 
-from . import _compat  # noqa: F401  (first: refuses an unsupported transformers in one line)
+from ._compat import OLDEST_SUPPORTED  # noqa: F401  (first: refuses an unsupported transformers in one line)
 
 # isort: split
 import math

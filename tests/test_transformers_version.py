@@ -1,54 +1,86 @@
-"""The transformers requirement: remote code under an older transformers stops with one line naming the requirement
-(instead of `StrictDataclassDefinitionError` from deep inside the config class), and the package metadata and the
-model card state the same version as the check."""
+"""The supported transformers releases (5.19 to the newest tested): one code base, never a silent wrong answer.
+
+- An older transformers stops with one line naming the requirement; a newer, untested one gets one warning at import.
+- setup.cfg's range, the README and the model card state exactly the tested range.
+- A ResFormer forward that is handed a KV cache under a name it does not read raises instead of ignoring it.
+- Hub folders written on one supported release load bit-exact, without the plugin, on another; cached == uncached.
+- Importing the plugin prints nothing beyond what importing transformers' Llama prints.
+
+The oldest release is fetched with pip into the test cache (`pypi_cache`) and run in fresh interpreters next to the
+installed one; the tests skip, naming it, when pip cannot fetch it.
+"""
 
 from __future__ import annotations
 
 import configparser
-import re
 import runpy
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
+from transformers import AutoModelForCausalLM, DynamicCache, GenerationMixin
 
 import resformer_hf
-from resformer_hf import ResFormerForCausalLM
-from resformer_hf.configuration_resformer import MIN_TRANSFORMERS_VERSION
+from resformer_hf import ResFormerForCausalLM, _compat
+from resformer_hf._compat import OLDEST_SUPPORTED, UntestedTransformersWarning, supported_range, with_cache
+from resformer_hf.hub import finish_hub_folder
 
-from helpers import run_fresh_python, tiny_config
+from helpers import model_with_random_lambdas, run_fresh_python, tiny_config
 from pypi_cache import FetchError, pip_target
 
-CONFIG_FILE = Path(resformer_hf.__file__).parent / "configuration_resformer.py"
+COMPAT_FILE = Path(_compat.__file__)
 REPO = Path(__file__).resolve().parents[1]
-NEEDS = f"ResFormer needs transformers >= {MIN_TRANSFORMERS_VERSION}, found "
-
-LOAD_REMOTE = """
-import importlib.util, json, sys
-import transformers
-
-report = {"transformers": transformers.__version__}
-report["plugin_importable"] = importlib.util.find_spec("resformer_hf") is not None
-try:
-    transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
-    report["error"] = None
-except Exception as error:
-    report["error"] = f"{type(error).__name__}: {error}"
-print("REPORT " + json.dumps(report))
-"""
+TESTS = Path(__file__).resolve().parent
+NEEDS = f"ResFormer needs transformers >= {OLDEST_SUPPORTED}, found "
+OLDEST_RELEASE = f"{OLDEST_SUPPORTED}.0"
+VARIANTS = ["identity", "constant", "learnable", "learnable_plus", "sparse", "dense", "svformer", "neutreno"]
 
 
-@pytest.mark.parametrize(("version", "refused"), [("4.57.6", True), ("5.22.1", True), ("5.23.0", False),
-                                                  ("5.23.0.dev0", False), ("6.0.0", False)])
-def test_the_config_file_checks_the_transformers_version_before_anything_else(version, refused, monkeypatch):
+def oldest_release() -> Path:
+    try:
+        return pip_target(f"transformers-{OLDEST_RELEASE}", f"transformers=={OLDEST_RELEASE}")
+    except FetchError as error:
+        pytest.skip(f"needs transformers {OLDEST_RELEASE} from PyPI: {error}")
+
+
+# ---- the range -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("version", "refused", "warned"), [
+    ("4.57.6", True, False), ("5.18.2", True, False), ("5.19.0", False, False), ("5.23.0.dev0", False, False),
+    (f"{_compat.NEWEST_TESTED}.3", False, False), ("5.99.0", False, True), ("6.0.0", False, True),
+])
+def test_the_range_is_checked_before_anything_else(version, refused, warned, monkeypatch):
     monkeypatch.setattr(transformers, "__version__", version)
-    if refused:
-        with pytest.raises(ImportError) as caught:
-            runpy.run_path(str(CONFIG_FILE))
-        message = str(caught.value)
-        assert message.startswith(NEEDS + version) and "\n" not in message
-    else:
-        assert runpy.run_path(str(CONFIG_FILE))["ResFormerConfig"].model_type == "resformer"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if refused:
+            with pytest.raises(ImportError) as error:
+                runpy.run_path(str(COMPAT_FILE))
+            message = str(error.value)
+            assert message == f"{NEEDS}{version}: pip install -U '{supported_range()}'"
+            return
+        runpy.run_path(str(COMPAT_FILE))
+    untested = [w for w in caught if w.category.__name__ == UntestedTransformersWarning.__name__]
+    assert len(untested) == int(warned)
+    if warned:
+        text = str(untested[0].message)
+        assert f"found {version}" in text and supported_range() in text and "\n" not in text
+
+
+def test_package_metadata_readme_and_card_state_the_tested_range():
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    requirements = setup["options"]["install_requires"].split()
+    assert supported_range() in requirements
+    for text in ((REPO / "README.md").read_text(), (REPO / "model_cards" / "resformer.md").read_text(),
+                 (Path(resformer_hf.__file__).parent / "model_card_template.md").read_text()):
+        assert f"`{supported_range()}`" in text
+    for card in (REPO / "model_cards" / "resformer.md", Path(resformer_hf.__file__).parent / "model_card_template.md"):
+        text = card.read_text()
+        assert "pip install resformer-hf" not in text and "pypi.org/project/resformer-hf" not in text
 
 
 @pytest.mark.slow
@@ -59,17 +91,253 @@ def test_remote_code_under_transformers_4_57_fails_with_one_line(tmp_path):
     except FetchError as error:
         pytest.skip(f"needs transformers 4.57 from PyPI: {error}")
     ResFormerForCausalLM(tiny_config()).save_pretrained(tmp_path / "folder")
-    report = run_fresh_python(LOAD_REMOTE, tmp_path, str(tmp_path / "folder"), extra_path=[old])
-    assert report["transformers"] == "4.57.6" and report["plugin_importable"] is False
-    assert report["error"] == f"ImportError: {NEEDS}4.57.6: pip install -U 'transformers>={MIN_TRANSFORMERS_VERSION}'"
+    script = """
+    import json, sys, transformers
+    try:
+        transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+        error = None
+    except Exception as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    print("REPORT " + json.dumps({"transformers": transformers.__version__, "error": error}))
+    """
+    report = run_fresh_python(script, tmp_path, str(tmp_path / "folder"), extra_path=[old])
+    assert report["transformers"] == "4.57.6"
+    assert report["error"] == f"ImportError: {NEEDS}4.57.6: pip install -U '{supported_range()}'"
 
 
-def test_package_metadata_and_card_state_the_checked_version():
-    setup = configparser.ConfigParser()
-    setup.read(REPO / "setup.cfg")
-    requirements = setup["options"]["install_requires"]
-    assert re.search(rf"^transformers>={re.escape(MIN_TRANSFORMERS_VERSION)}\b", requirements, re.MULTILINE)
-    for card in (REPO / "model_cards" / "resformer.md", CONFIG_FILE.parent / "model_card_template.md"):
-        text = card.read_text()
-        assert f"`transformers>={MIN_TRANSFORMERS_VERSION}`" in text
-        assert "pip install resformer-hf" not in text and "pypi.org/project/resformer-hf" not in text
+# ---- loud, never silent --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["kv_cache", "past_key_value", "layer_past"])
+def test_a_cache_under_a_name_the_model_does_not_read_raises(name):
+    model = model_with_random_lambdas(tiny_config())
+    input_ids = torch.tensor([[5, 6, 7, 8]])
+    cache = DynamicCache(config=model.config)
+    with pytest.raises(TypeError, match=f"received a KV cache as `{name}`"):
+        model(input_ids, use_cache=True, **{name: cache})
+    assert cache.get_seq_length() == 0
+
+
+def test_generate_that_passes_the_cache_under_a_new_name_fails_instead_of_generating(monkeypatch):
+    """A future transformers whose `generate()` renames the cache again (simulated: its model inputs carry the cache
+    as `kv_cache`) must not get tokens computed without the cache (the 5.24 failure: a fresh cache every step)."""
+    model = model_with_random_lambdas(tiny_config())
+    prepare = GenerationMixin.prepare_inputs_for_generation
+
+    def renaming(self, *args, **kwargs):
+        inputs = prepare(self, *args, **kwargs)
+        if inputs.get(_compat.CACHE_ARGUMENT) is not None:
+            inputs["kv_cache"] = inputs.pop(_compat.CACHE_ARGUMENT)
+        return inputs
+
+    monkeypatch.setattr(GenerationMixin, "prepare_inputs_for_generation", renaming)
+    with pytest.raises(TypeError, match="received a KV cache as `kv_cache`"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+
+
+def test_both_cache_names_at_once_are_never_both_used():
+    """5.24 keeps `cache` and warns, as for Llama (transformers' own deprecation); before 5.24 it is an error."""
+    model = model_with_random_lambdas(tiny_config())
+    kept, dropped = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    if _compat.CACHE_RENAMED:
+        with pytest.warns(FutureWarning, match="Both `past_key_values` and `cache` are set"):
+            model.model(torch.tensor([[5, 6]]), cache=kept, past_key_values=dropped, use_cache=True)
+        assert (kept.get_seq_length(), dropped.get_seq_length()) == (2, 0)
+    else:
+        with pytest.raises(ValueError, match="not both"):
+            model.model(torch.tensor([[5, 6]]), cache=kept, past_key_values=dropped, use_cache=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cache_passed_under_this_releases_name_is_used(variant):
+    model = model_with_random_lambdas(tiny_config(variant))
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    full = model(tokens).logits[:, -1]
+    cache = DynamicCache(config=model.config)
+    model(tokens[:, :4], use_cache=True, **with_cache(cache))
+    model(tokens[:, 4:5], use_cache=True, **with_cache(cache))
+    step = model(tokens[:, 5:], use_cache=True, **with_cache(cache)).logits[:, -1]
+    assert cache.get_seq_length() == 6
+    torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-5)
+
+
+# ---- every supported release, side by side -------------------------------------------------------------------------
+
+IMPORT_QUIETLY = """
+import contextlib, io, json, sys
+import transformers
+from transformers import LlamaForCausalLM  # the control: whatever importing transformers' Llama prints
+sys.stderr.flush()
+captured = io.StringIO()
+with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(captured):
+    import resformer_hf
+    from transformers.utils import logging
+print("REPORT " + json.dumps({"transformers": transformers.__version__, "printed": captured.getvalue()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("release", ["installed", "oldest"])
+def test_import_prints_nothing(release, tmp_path):
+    extra = [oldest_release(), REPO] if release == "oldest" else [REPO]
+    report = run_fresh_python(IMPORT_QUIETLY, tmp_path, blocked=(), extra_path=extra)
+    expected = OLDEST_RELEASE if release == "oldest" else transformers.__version__
+    assert report["transformers"] == expected
+    assert report["printed"] == ""
+
+
+#: Writes one Hub folder per variant (plugin importable) and the logits / greedy tokens the plugin computes for them.
+WRITE_FOLDERS = """
+import json, sys
+import torch, transformers
+sys.path.insert(0, sys.argv[2])
+from helpers import model_with_random_lambdas, tiny_config
+from resformer_hf.hub import finish_hub_folder
+root, variants = sys.argv[1], json.loads(sys.argv[3])
+prompt = torch.tensor([[5, 9, 17, 33, 2, 70]])
+report = {"transformers": transformers.__version__, "plugin": True, "logits": {}, "tokens": {}}
+for variant in variants:
+    torch.manual_seed(len(variant))
+    model = model_with_random_lambdas(tiny_config(variant))
+    folder = f"{root}/{variant}"
+    model.save_pretrained(folder)
+    finish_hub_folder(folder, model.config)
+    with torch.no_grad():
+        report["logits"][variant] = model(prompt).logits.tolist()
+        report["tokens"][variant] = model.generate(prompt, max_new_tokens=8, do_sample=False).tolist()
+print("REPORT " + json.dumps(report))
+"""
+
+#: Loads the folders with `trust_remote_code=True` and the plugin not importable; logits, cached and uncached tokens.
+READ_FOLDERS = """
+import importlib.util, json, sys
+import torch, transformers
+root, variants = sys.argv[1], json.loads(sys.argv[2])
+prompt = torch.tensor([[5, 9, 17, 33, 2, 70]])
+report = {"transformers": transformers.__version__, "plugin": importlib.util.find_spec("resformer_hf") is not None,
+          "logits": {}, "tokens": {}, "uncached": {}, "classes": {}}
+for variant in variants:
+    model = transformers.AutoModelForCausalLM.from_pretrained(f"{root}/{variant}", trust_remote_code=True).eval()
+    report["classes"][variant] = type(model).__module__
+    with torch.no_grad():
+        report["logits"][variant] = model(prompt).logits.tolist()
+        report["tokens"][variant] = model.generate(prompt, max_new_tokens=8, do_sample=False).tolist()
+        report["uncached"][variant] = model.generate(prompt, max_new_tokens=8, do_sample=False,
+                                                     use_cache=False).tolist()
+print("REPORT " + json.dumps(report))
+"""
+
+
+def write_folders(root: Path, release: str) -> dict:
+    import json
+
+    root.mkdir()
+    extra = [oldest_release(), REPO] if release == "oldest" else [REPO]
+    return run_fresh_python(WRITE_FOLDERS, root.parent, str(root), str(TESTS), json.dumps(VARIANTS), blocked=(),
+                            extra_path=extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("writer", "reader"), [("installed", "oldest"), ("oldest", "installed"),
+                                                ("oldest", "oldest")])
+def test_a_folder_written_on_one_release_loads_bit_exact_on_another_without_the_plugin(writer, reader, tmp_path):
+    import json
+
+    written = write_folders(tmp_path / "folders", writer)
+    extra = [oldest_release()] if reader == "oldest" else []
+    read = run_fresh_python(READ_FOLDERS, tmp_path, str(tmp_path / "folders"), json.dumps(VARIANTS), extra_path=extra)
+    versions = {"installed": transformers.__version__, "oldest": OLDEST_RELEASE}
+    assert (written["transformers"], read["transformers"]) == (versions[writer], versions[reader])
+    assert read["plugin"] is False
+    for variant in VARIANTS:
+        assert read["classes"][variant].startswith("transformers_modules."), variant
+        assert read["logits"][variant] == written["logits"][variant], variant  # bit-exact
+        assert read["tokens"][variant] == read["uncached"][variant] == written["tokens"][variant], variant
+
+
+# ---- folders published with older code -----------------------------------------------------------------------------
+
+STALE_MODELING = '''
+raise RuntimeError("stale remote code was executed")
+'''
+
+
+def test_with_the_plugin_imported_a_stale_folder_loads_the_plugins_classes(tmp_path):
+    model = model_with_random_lambdas(tiny_config("svformer"))
+    model.save_pretrained(tmp_path)
+    finish_hub_folder(tmp_path, model.config)
+    for name in ("modeling_resformer.py", "configuration_resformer.py"):
+        (tmp_path / name).write_text(STALE_MODELING)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert type(loaded) is ResFormerForCausalLM
+    prompt = torch.tensor([[5, 9, 17, 33]])
+    cached = loaded.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(cached, loaded.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False))
+    assert torch.equal(cached, model.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(folder.iterdir())
+            if path.is_file()}
+
+
+@pytest.mark.slow
+def test_refresh_code_replaces_a_stale_folders_code_in_place_and_nothing_else(tmp_path):
+    import json
+
+    from resformer_hf.cli.convert import main as convert_main
+    from resformer_hf.registration import full_auto_map
+
+    model = model_with_random_lambdas(tiny_config("learnable_plus"))
+    fresh, stale = tmp_path / "fresh", tmp_path / "stale"
+    for folder in (fresh, stale):
+        model.save_pretrained(folder)
+        finish_hub_folder(folder, model.config)
+    config = json.loads((stale / "config.json").read_text())
+    config["auto_map"].pop("AutoModelForSequenceClassification")
+    (stale / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in ("modeling_resformer.py", "_compat.py"):
+        (stale / name).write_text(STALE_MODELING)
+    before = _digests(stale)
+
+    assert convert_main(["--refresh-code", str(stale)]) == 0
+    after = _digests(stale)
+    code = {name for name in after if name.endswith(".py")}
+    assert code == {name for name in _digests(fresh) if name.endswith(".py")}
+    assert all(after[name] == _digests(fresh)[name] for name in code)
+    unchanged = set(before) - code - {"config.json"}
+    assert unchanged and {"model.safetensors", "README.md"} <= unchanged
+    assert all(after[name] == before[name] for name in unchanged)
+    refreshed = json.loads((stale / "config.json").read_text())
+    assert refreshed["auto_map"] == full_auto_map()
+    config.pop("auto_map")
+    assert {k: v for k, v in refreshed.items() if k != "auto_map"} == config
+    assert not [path for path in stale.iterdir() if path.name.startswith(".")]  # no staging files left
+
+    read = run_fresh_python(READ_FOLDERS, tmp_path, str(tmp_path), json.dumps(["stale"]))
+    prompt = torch.tensor([[5, 9, 17, 33, 2, 70]])
+    with torch.no_grad():
+        assert read["logits"]["stale"] == model(prompt).logits.tolist()
+    assert read["tokens"]["stale"] == read["uncached"]["stale"]
+
+
+def test_refresh_code_refuses_what_is_not_a_resformer_folder(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from resformer_hf.cli.convert import main as convert_main
+
+    LlamaConfig(num_hidden_layers=1).save_pretrained(tmp_path / "llama")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    cases = (("llama", "model_type 'llama'"), ("empty", "no config.json"), ("broken", "not valid JSON"))
+    for folder, message in cases:
+        before = _digests(tmp_path / folder)
+        assert convert_main(["--refresh-code", str(tmp_path / folder)]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("resformer-convert: error:") and message in error and error.count("\n") == 1
+        assert _digests(tmp_path / folder) == before
+    assert convert_main(["src", "dst", "--refresh-code", str(tmp_path / "llama")]) == 2
+    assert convert_main([]) == 2

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 from ..configuration_resformer import DEFAULT_CONVERSION_VARIANT, convertible_variants
 from ..conversion import DTYPES, INITS, convert_llama_checkpoint
+from ..errors import UserInputError
+from ..hub import refresh_remote_code
 from .common import OneLineParser, add_debug_flag, run_command
 
 PROG = "resformer-convert"
@@ -21,8 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
         "computed, ready to be fine-tuned. Exit status: 0 done, 2 bad input, 1 environment error, 130/143 "
         "interrupted (nothing is left behind).",
     )
-    parser.add_argument("src", metavar="SRC", help="checkpoint directory (config.json + safetensors) or Hub repo id")
-    parser.add_argument("dst", metavar="DST", help="output directory (must not exist or be empty, see --overwrite)")
+    parser.add_argument("src", metavar="SRC", nargs="?",
+                        help="checkpoint directory (config.json + safetensors) or Hub repo id")
+    parser.add_argument("dst", metavar="DST", nargs="?",
+                        help="output directory (must not exist or be empty, see --overwrite)")
+    parser.add_argument("--refresh-code", metavar="FOLDER",
+                        help="instead of converting: replace the remote code (*.py, config.json's auto_map) of a "
+                        "ResFormer folder written by an older plugin with this one's, in place; weights untouched")
     parser.add_argument("--variant", choices=convertible_variants(), default=DEFAULT_CONVERSION_VARIANT,
                         help=f"value-residual variant (default: {DEFAULT_CONVERSION_VARIANT})")
     parser.add_argument("--init", choices=INITS, default="preserve",
@@ -44,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    if args.refresh_code is not None:
+        if args.src is not None or args.dst is not None:
+            raise UserInputError("--refresh-code FOLDER takes no SRC or DST: it changes FOLDER's code in place")
+        written = refresh_remote_code(args.refresh_code)
+        print(f"refreshed {args.refresh_code}: {', '.join(written)}")
+        return 0
+    if args.src is None or args.dst is None:
+        raise UserInputError("the following arguments are required: SRC DST (or --refresh-code FOLDER)")
     report = convert_llama_checkpoint(
         args.src,
         args.dst,
@@ -60,8 +75,13 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(PROG, build_parser(), _convert, argv,
-                       interrupted_note=lambda args: f"nothing was written to {args.dst}")
+    return run_command(PROG, build_parser(), _convert, argv, interrupted_note=_interrupted_note)
+
+
+def _interrupted_note(args: argparse.Namespace) -> str:
+    if args.refresh_code is not None:
+        return f"every file of {args.refresh_code} is whole (each is replaced by one rename)"
+    return f"nothing was written to {args.dst}"
 
 
 if __name__ == "__main__":
