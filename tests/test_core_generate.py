@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from transformers import CompileConfig
 
 from resformer_hf import ResFormerForCausalLM
 
@@ -58,3 +60,36 @@ def test_static_cache_generates_what_the_dynamic_cache_does(variant):
     static = model.generate(prompt, cache_implementation="static", **GREEDY)
     dynamic = model.generate(prompt, **GREEDY)
     assert torch.equal(static, dynamic)
+
+
+#: generate() cache paths, each compared with the same decoding strategy run without a cache.
+CACHE_PATHS = {
+    "beam search": dict(num_beams=3, num_return_sequences=2, max_new_tokens=10),
+    "assisted (prompt lookup)": dict(prompt_lookup_num_tokens=3, max_new_tokens=16),
+    "static cache": dict(cache_implementation="static", max_new_tokens=16),
+}
+
+
+@pytest.mark.parametrize("path", list(CACHE_PATHS))
+def test_every_cache_path_generates_the_uncached_tokens(variant, path):
+    model = model_for(variant)
+    prompt = torch.tensor([[5, 9, 17, 5, 9, 17, 5, 9]])  # repeats, so prompt lookup has candidates to verify
+    settings = dict(CACHE_PATHS[path], do_sample=False, pad_token_id=0, eos_token_id=None)
+    uncached_settings = {k: v for k, v in settings.items() if k not in ("cache_implementation",)}
+    if "prompt_lookup_num_tokens" in uncached_settings:  # assisted decoding needs a cache; its reference is greedy
+        uncached_settings.pop("prompt_lookup_num_tokens")
+    cached = model.generate(prompt, **settings)
+    uncached = model.generate(prompt, use_cache=False, **uncached_settings)
+    assert torch.equal(cached, uncached), path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "svformer", "neutreno"])
+def test_compiled_static_cache_generates_the_uncached_tokens(variant):
+    model = model_for(variant)
+    prompt = torch.randint(3, 128, (1, 6))
+    compiled = model.generate(prompt, cache_implementation="static", compile_config=CompileConfig(fullgraph=True),
+                              max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    uncached = model.generate(prompt, use_cache=False, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+    assert torch.equal(compiled, uncached)
