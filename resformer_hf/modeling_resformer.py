@@ -46,14 +46,16 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, VARIANTS, ResFormerConfig
+from .fused_mixing import dense_values, project_and_mix_first
 from .peft_support import register_peft_target_modules
 from .value_residual import (
     LAMBDA_CHECKPOINT_CONVERSIONS,
+    LayerMix,
     ValueResidual,
     corrected_output_projection,
-    dense_values,
     fixed_value_weights,
-    project_and_mix_first,
+    mix_on_output,
+    needs_value_gradients,
 )
 
 try:  # transformers' pipeline stages put this placeholder where a layer lives on another stage
@@ -121,9 +123,14 @@ class ResFormerAttention(LlamaAttention):
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        weights = self.fixed_value_weights or value_weights
+        inference = isinstance(value_weights, LayerMix)  # no gradient needed: mix on v_proj's output
+        weights = value_weights if inference else self.fixed_value_weights or value_weights
         own_values = None
-        if self.reuses_first_values:
+        if inference:
+            value_states, own_values, residual_values = mix_on_output(
+                weights, self.v_proj, hidden_states, residual_values, self.head_dim
+            )
+        elif self.reuses_first_values:
             value_states = residual_values[0]
         elif self.mixes_first_values:
             value_states = project_and_mix_first(
@@ -398,7 +405,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        value_weights = self.value_residual()
+        value_weights = self.value_residual(inference=not needs_value_gradients(self, inputs_embeds))
         residual_values = None
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
@@ -475,7 +482,7 @@ class ValueResidualTensorParallel(TensorParallelLayer):
     """
 
     def transform_output_post_forward(self, module, output, mesh):
-        if not (torch.is_grad_enabled() and output.requires_grad):
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return output
         return _SumGradientOverRanks.apply(output, mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp"))
 
