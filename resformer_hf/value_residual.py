@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 
-from . import fused_mixing
 from .configuration_resformer import CORRECT, DENSE, FIXED, MIX, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
+from .fused_mixing import corrected_output_projection as fused_corrected_output_projection
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -267,7 +267,7 @@ def fixed_value_weights(config: ResFormerConfig) -> tuple[float, float] | None:
 
 # ---- the mix without gradient: on v_proj's output, one fused op per mixing layer ----------------------------------
 #
-# Training mixes through `fused_mixing`, whose autograd functions fold λ_self into v_proj's weight to keep no extra
+# Training mixes through `fused_mixing.py`, whose autograd functions fold λ_self into v_proj's weight to keep no extra
 # tensor for backward; at decode that rescales the whole [H_kv·D, hidden] weight per layer per token. Without a
 # gradient the values are mixed after the projection instead: O(H_kv·D) per token, the weight never touched.
 
@@ -290,7 +290,7 @@ class LayerMix(NamedTuple):
 
 
 def needs_value_gradients(model: nn.Module, inputs_embeds: torch.Tensor) -> bool:
-    """Whether this forward pass may be differentiated, so the fused training mix (`fused_mixing`) must run.
+    """Whether this forward pass may be differentiated, so the fused training mix (`fused_mixing.py`) must run.
 
     True when autograd is recording and anything the mix depends on can want a gradient: the input embeddings or any
     parameter of the model (LoRA adapters included). `torch.no_grad()`, `generate()` and frozen models take the
@@ -354,8 +354,7 @@ def corrected_output_projection(
     with one query head per kv head (four with grouped queries); with one, the fused training form.
     """
     if not isinstance(weights, LayerMix):
-        return fused_mixing.corrected_output_projection(attn_output, residual_values, own_values, o_proj, weights,
-                                                        groups)
+        return fused_corrected_output_projection(attn_output, residual_values, own_values, o_proj, weights, groups)
     batch, length = attn_output.shape[:2]
     correction = torch.sub(residual_values, own_values, alpha=weights.first)
     if groups == 1:
