@@ -141,7 +141,7 @@ class ValueResidual(nn.Module):
         At most six small ops per forward pass (learnable_plus: the softmax, λ_scale, λ_self, a view, an unbind), so
         that a decode step pays per mixing layer only the one fused op of `mix_on_output`. Learnable λ_first become a
         [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once; λ_self are unbound into 0-dim
-        tensors. `dense` hands layer 0 its raw offsets [R, L], which it unbinds into per-source columns.
+        tensors. `dense` hands layer 0 a copy of its offsets [R, L], which it unbinds into per-source columns.
         """
         n, first_init, own_init = len(self.receivers), self.lambda_first_init, self.lambda_self_init
         first, owns = first_init, [own_init] * n
@@ -152,8 +152,8 @@ class ValueResidual(nn.Module):
             scale = self.lambda_scale_offset.float() + self.lambda_scale_init
             first = (torch.softmax(self.lambda_logits.float(), dim=0) * scale).view(n, 1, 1, 1, 1)
             owns = (self.lambda_self_offset.float() + own_init).unbind()
-        elif self.parameterisation == DENSE:
-            first = self.dense_weight_offset
+        elif self.parameterisation == DENSE:  # a copy: FSDP2 frees the gathered parameter after this forward
+            first = self.dense_weight_offset.clone()
         rows = {layer: row for row, layer in enumerate(self.receivers)}
         return tuple(
             LayerMix(
