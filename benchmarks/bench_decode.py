@@ -120,7 +120,7 @@ def ratios_over_rounds(actions: dict, repeats: int, rounds: int, device: torch.d
 
 def measure(hidden: int, layers: int, batch: int, args, device: torch.device) -> dict:
     """Every mode's ratios (and per-round spreads) for one size and batch."""
-    size = size_fields(hidden, layers, args, args.context + max(args.steps, args.new_tokens) + 8)
+    size = size_fields(hidden, layers, args, max(args.context + args.steps, args.prompt + args.new_tokens) + 8)
     names = [BASELINE, CONTROL] + args.variants
     dtype = getattr(torch, args.dtype)
     models = {}
@@ -130,7 +130,7 @@ def measure(hidden: int, layers: int, batch: int, args, device: torch.device) ->
     result = {"hidden": hidden, "layers": layers, "batch": batch, "ratios": {}, "spread": {}, "seconds": {}}
     plans = {
         "eager decode": lambda m: Decoder(m, batch, args.context, args.steps, False, device).burst,
-        "generate": lambda m: Generation(m, batch, args.context, args.new_tokens, device).run,
+        "generate": lambda m: Generation(m, batch, args.prompt, args.new_tokens, device).run,
     }
     if hidden * 1000 + layers in args.compile_keys:
         plans["compiled decode"] = lambda m: Decoder(m, batch, args.context, args.steps, True, device).burst
@@ -168,7 +168,8 @@ def command_line(args) -> str:
     sizes = " ".join(f"{h}x{n}" for h, n in args.sizes)
     compiled = " ".join(f"{h}x{n}" for h, n in args.compile_sizes) or "none"
     return (f"python benchmarks/bench_decode.py --sizes {sizes} --batch-sizes {' '.join(map(str, args.batch_sizes))} "
-            f"--compile-sizes {compiled} --context {args.context} --steps {args.steps} --new-tokens {args.new_tokens} "
+            f"--compile-sizes {compiled} --context {args.context} --steps {args.steps} --prompt {args.prompt} "
+            f"--new-tokens {args.new_tokens} --repeats {args.repeats} --rounds {args.rounds} "
             f"--device {args.device} --threads {torch.get_num_threads()}")
 
 
@@ -192,7 +193,7 @@ def write_report(results: list[dict], args, device: torch.device) -> str:
         "row times a second, identical Llama: the run's noise floor. Eager/compiled decode: bursts of "
         f"{args.steps} single tokens after {args.context} cached tokens (dynamic cache eager, static cache under "
         f"`torch.compile`, default mode); generate: `generate()` of {args.new_tokens} new tokens after a "
-        f"{args.context}-token prompt, default dynamic cache, prefill included (time ratio = Llama's tokens/s over "
+        f"{args.prompt}-token prompt, default dynamic cache, prefill included (time ratio = Llama's tokens/s over "
         "the variant's). Ops: aten ops one eager decode step dispatches beyond Llama's (batch 1, exact). "
         f"Vocab {args.vocab_size}, head dim {args.head_dim}, {args.dtype}, no gradient.",
         "",
@@ -255,7 +256,8 @@ def main(argv=None) -> None:
                         help="sizes that also time compiled decode (default: all of --sizes; none: no compile)")
     parser.add_argument("--context", type=int, default=128, help="cached tokens / prompt length (default 128)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timed burst (default 16)")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens per generate() call (default 16)")
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens of a generate() call (default 32)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call (default 32)")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--gqa-groups", type=int, default=1, help="query heads per kv head (default 1: MHA)")

@@ -263,9 +263,9 @@ def test_svformer_gqa_study_end_to_end(private_tmp):
 def test_decode_benchmark_end_to_end(tmp_path):
     """Every row and mode of a tiny eager run is written, with Llama's own op count as the zero of the ops column."""
     out = tmp_path / "out"
-    bench_decode.main(["--sizes", "64x2", "--batch-sizes", "1", "2", "--compile-sizes", "--context", "8", "--steps",
-                       "2", "--new-tokens", "2", "--repeats", "1", "--rounds", "1", "--variants", "dense", "svformer",
-                       "--vocab-size", "64", "--threads", "1", "--out", str(out), "--no-readme"])
+    bench_decode.main(["--sizes", "64x2", "--batch-sizes", "1", "2", "--compile-sizes", "--context", "8", "--prompt",
+                       "4", "--steps", "2", "--new-tokens", "2", "--repeats", "1", "--rounds", "1", "--variants",
+                       "dense", "svformer", "--vocab-size", "64", "--threads", "1", "--out", str(out), "--no-readme"])
     table = (out / "decode.md").read_text()
     assert table.count("| Llama again (noise floor) |") == 2 and table.count("| `svformer` |") == 2
     assert "| variant | eager decode | generate | ops per decode step |" in table
