@@ -1,8 +1,10 @@
 """The value residual itself: every λ of a ResFormer and the few lines that mix values with them.
 
-Everything specific to Value Residual Learning (Zhou et al., ACL 2025, arXiv 2410.17897) lives here and in the variant
-registry (`VARIANTS` in `configuration_resformer.py`); the modeling file only wires it into Llama's attention.
-Imports only torch and transformers (copied for `trust_remote_code`).
+Everything specific to Value Residual Learning (Zhou et al., ACL 2025, arXiv 2410.17897) lives here, in the variant
+registry (`VARIANTS` in `configuration_resformer.py`) and, for training, in `fused_mixing.py`; the modeling file only
+wires it into Llama's attention. A forward pass that needs no gradient (decoding, evaluation) mixes here, on v_proj's
+output (`mix_on_output`); one that may be differentiated mixes through `fused_mixing.py`, which keeps training
+memory at Llama's. Imports only torch and transformers (copied for `trust_remote_code`).
 """
 
 from __future__ import annotations
