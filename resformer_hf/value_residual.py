@@ -309,9 +309,9 @@ def mix_on_output(
     """A layer's (attention values [B, H_kv, T, D], raw values for NeuTRENO, residual values for later layers)
     without gradient: v_proj runs as in Llama, then at most one op mixes (dense: three), on its output.
 
-    What travels between layers (`residual_values`) depends on the variant: V_0 (`svformer`, λ_self = 1), λ_first·V_0
-    (fixed λ), λ_first·V_0 per receiver (learnable), λ·V_0 token-major (NeuTRENO), or for `dense` the running mixes
-    `Σ_j W[r, j]·V_j` of every receiver r with the per-source weight columns.
+    What travels between layers (`residual_values`) depends on the variant: V_0 (`svformer`; fixed λ with
+    λ_self = 1), λ_first·V_0 (other fixed λ), λ_first·V_0 per receiver (learnable), λ·V_0 token-major (NeuTRENO), or
+    for `dense` the running mixes `Σ_j W[r, j]·V_j` of every receiver r with the per-source weight columns.
     """
     if mix.role == REUSE:
         return residual_values, None, residual_values
