@@ -227,6 +227,8 @@ def readme_block(results: list[dict], args, device: torch.device) -> str:
     columns = [(mode, size) for mode in MODES for size in sizes
                if any(mode in r["ratios"] and (r["hidden"], r["layers"]) == size for r in results)]
     header = ["variant"] + [f"{mode} {h}×{n}" for mode, (h, n) in columns] + [f"ops {h}×{n}" for h, n in sizes]
+    measured = "; ".join(f"{h}×{n}: " + " and ".join(str(r["batch"]) for r in results if (r["hidden"], r["layers"])
+                                                         == (h, n)) for h, n in sizes)  # what a cut-short run has
     rows = []
     for name in [CONTROL] + args.variants:
         row = [_label(name)]
@@ -241,7 +243,7 @@ def readme_block(results: list[dict], args, device: torch.device) -> str:
         "written by that command): time of eager decode steps (dynamic cache), compiled decode steps (static cache) "
         f"and `generate()` (dynamic cache, prefill included), {'CPU' if args.clock == 'cpu' else 'wall-clock'} time "
         "as a ratio to a same-size Llama timed round-robin in the "
-        f"same process, the worst of batch {' and '.join(map(str, args.batch_sizes))} for each size, {device.type}, "
+        f"same process, the worst of batch {measured} for each size, {device.type}, "
         f"{torch.get_num_threads()} thread(s); ops: aten ops one eager decode step dispatches beyond Llama's "
         "(batch 1, exact). Bold marks a ratio above the goal (1.01, `dense` 1.03, SVFormer 1.0); the first row is a "
         "second, identical Llama: the noise floor of the run. Without a gradient the mix runs on v_proj's output, "
