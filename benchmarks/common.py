@@ -68,9 +68,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def interleaved_medians(
-    actions: dict[str, Callable[[], None]], repeats: int, warmup: int, device: torch.device
+    actions: dict[str, Callable[[], None]], repeats: int, warmup: int, device: torch.device,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
-    """Median seconds of each action, timed round-robin so load changes on a shared machine hit all of them alike."""
+    """Median seconds of each action, timed round-robin so load changes on a shared machine hit all of them alike.
+
+    `clock` is wall time by default; `time.process_time` (CPU seconds of this process, CPU device only) leaves out the
+    time other processes hold the cores, which on a shared machine is most of the noise."""
     for _ in range(warmup):
         for action in actions.values():
             action()
@@ -80,10 +84,10 @@ def interleaved_medians(
         for name in names[repeat % len(names) :] + names[: repeat % len(names)]:  # rotate: no fixed position bias
             action = actions[name]
             synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             action()
             synchronize(device)
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(clock() - start)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

@@ -53,16 +53,18 @@ from ._compat import (
 )
 from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, ResFormerConfig
+from .fused_mixing import dense_values, project_and_mix_first
 from .loading import check_lambdas_are_finite, check_value_projections
 from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, gather_in_float32, is_pipeline_stage, refuse_pipeline_parallel
 from .peft_support import register_peft_target_modules
 from .value_residual import (
     LAMBDA_CHECKPOINT_CONVERSIONS,
+    LayerMix,
     ValueResidual,
     corrected_output_projection,
-    dense_values,
     fixed_value_weights,
-    project_and_mix_first,
+    mix_on_output,
+    needs_value_gradients,
 )
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
@@ -100,7 +102,7 @@ class ResFormerAttention(LlamaAttention):
         self,
         hidden_states: torch.Tensor,
         residual_values: torch.Tensor | None,
-        value_weights: torch.Tensor,
+        value_weights: torch.Tensor | LayerMix,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
@@ -112,9 +114,13 @@ class ResFormerAttention(LlamaAttention):
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        weights = self.fixed_value_weights or value_weights
+        inference = isinstance(value_weights, LayerMix)  # no gradient needed: mix on v_proj's output
+        weights = value_weights if inference else self.fixed_value_weights or value_weights
         own_values = None
-        if self.reuses_first_values:
+        if inference:
+            value_states, own_values, residual_values = mix_on_output(
+                weights, self.v_proj, hidden_states, residual_values, self.head_dim)
+        elif self.reuses_first_values:
             value_states = residual_values[0]
         elif self.mixes_first_values:
             value_states = project_and_mix_first(
@@ -179,7 +185,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         self,
         hidden_states: torch.Tensor,
         residual_values: torch.Tensor | None,
-        value_weights: torch.Tensor,
+        value_weights: torch.Tensor | LayerMix,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
@@ -355,7 +361,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        value_weights = self.value_residual()
+        value_weights = self.value_residual(inference=not needs_value_gradients(self, inputs_embeds))
         residual_values = None
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:

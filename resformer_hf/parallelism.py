@@ -73,7 +73,7 @@ class ValueResidualTensorParallel(TensorParallelLayer):
     """
 
     def transform_output_post_forward(self, module, output, mesh):
-        if not (torch.is_grad_enabled() and output.requires_grad):
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return output
         return _SumGradientOverRanks.apply(output, mesh.get_group() if mesh.ndim == 1 else mesh.get_group("tp"))
 

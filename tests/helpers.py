@@ -51,6 +51,25 @@ def model_with_random_lambdas(config: ResFormerConfig, bound: float = 0.4) -> Re
     return model
 
 
+# Non-default λ for every variant that takes them, so the reference checks the fields are really read.
+NON_DEFAULT = {
+    "none": {},
+    "identity": {"value_residual_layers": [1, 3]},
+    "constant": {"value_residual_lambda_first": 1.5, "value_residual_lambda_self": 0.7},
+    "learnable": {"value_residual_lambda_first": 0.3, "value_residual_lambda_self": 0.9},
+    "learnable_plus": {"value_residual_lambda_self": 0.8, "value_residual_lambda_scale": 2.5},
+    "sparse": {"value_residual_lambda_first": 3.0, "value_residual_lambda_self": 0.8},
+    "dense": {"value_residual_lambda_first": 0.4, "value_residual_lambda_self": 0.6, "value_residual_layers": [2, 3]},
+    "svformer": {},
+    "neutreno": {"neutreno_lambda": 0.7, "value_residual_layers": [2, 3]},
+}
+
+
+def randomised_model(variant: str, **overrides) -> ResFormerForCausalLM:
+    """A tiny model whose learnable λ offsets are random, so trained-looking λ are exercised."""
+    return model_with_random_lambdas(tiny_config(variant, **{**NON_DEFAULT[variant], **overrides}))
+
+
 def llama_config_like(config: ResFormerConfig) -> LlamaConfig:
     """The `LlamaConfig` of a plain Llama with the same shape as the ResFormer `config`."""
     llama_fields = LlamaConfig().to_dict()
@@ -180,7 +199,9 @@ __all__ = [
     "example_data",
     "llama_config_like",
     "llama_pair",
+    "NON_DEFAULT",
     "model_with_random_lambdas",
+    "randomised_model",
     "run_fresh_python",
     "save_with_scalar_lambda_scale",
     "step_losses",

@@ -15,6 +15,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import bench_decode  # noqa: E402
 import bench_param_efficiency  # noqa: E402
 import bench_pretrain  # noqa: E402
 import bench_svformer_gqa  # noqa: E402
@@ -257,6 +258,21 @@ def test_svformer_gqa_study_end_to_end(private_tmp):
     assert cache["llama:3"] == cache["svformer:5"] == 2 * 5 * 3 * head
     assert cache["llama:15"] == 5 * cache["llama:3"]
     assert "| `svformer` | 5 |" in (out / "svformer_gqa.md").read_text()
+
+
+def test_decode_benchmark_end_to_end(tmp_path):
+    """Every row and mode of a tiny eager run is written, with Llama's own op count as the zero of the ops column."""
+    out = tmp_path / "out"
+    bench_decode.main(["--sizes", "64x2", "--batch-sizes", "1", "2", "--compile-sizes", "--context", "8", "--prompt",
+                       "4", "--steps", "2", "--new-tokens", "2", "--repeats", "1", "--rounds", "1", "--variants",
+                       "dense", "svformer", "--vocab-size", "64", "--threads", "1", "--out", str(out), "--no-readme"])
+    table = (out / "decode.md").read_text()
+    assert table.count("| Llama again (noise floor) |") == 2 and table.count("| `svformer` |") == 2
+    assert "| variant | eager decode | generate | ops per decode step |" in table
+    assert "| Llama again (noise floor) | " in table and "compiled decode" not in table.split("## ")[1]
+    ops = {line.split(" | ")[0]: int(line.rstrip(" |").split(" | ")[-1]) for line in table.splitlines()
+           if line.startswith("| ") and line.rstrip(" |").split(" | ")[-1].lstrip("+-").isdigit()}
+    assert ops["| Llama again (noise floor)"] == 0 and ops["| `svformer`"] < 0 < ops["| `dense`"]
 
 
 def test_study_flags_errors():

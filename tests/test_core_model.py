@@ -11,26 +11,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
 from resformer_hf._compat import with_cache
 
-from helpers import TINY, model_with_random_lambdas, tiny_config
+from helpers import TINY, randomised_model, tiny_config
 from reference import reference_logits
-
-# Non-default λ for every variant that takes them, so the reference checks the fields are really read.
-NON_DEFAULT = {
-    "none": {},
-    "identity": {"value_residual_layers": [1, 3]},
-    "constant": {"value_residual_lambda_first": 1.5, "value_residual_lambda_self": 0.7},
-    "learnable": {"value_residual_lambda_first": 0.3, "value_residual_lambda_self": 0.9},
-    "learnable_plus": {"value_residual_lambda_self": 0.8, "value_residual_lambda_scale": 2.5},
-    "sparse": {"value_residual_lambda_first": 3.0, "value_residual_lambda_self": 0.8},
-    "dense": {"value_residual_lambda_first": 0.4, "value_residual_lambda_self": 0.6, "value_residual_layers": [2, 3]},
-    "svformer": {},
-    "neutreno": {"neutreno_lambda": 0.7, "value_residual_layers": [2, 3]},
-}
-
-
-def randomised_model(variant: str, **overrides) -> ResFormerForCausalLM:
-    """A tiny model whose learnable λ offsets are random, so trained-looking λ are exercised."""
-    return model_with_random_lambdas(tiny_config(variant, **{**NON_DEFAULT[variant], **overrides}))
 
 
 def test_every_variant_matches_the_plain_reference(variant):

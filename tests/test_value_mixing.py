@@ -14,7 +14,7 @@ from torch import nn
 from torch.autograd import gradcheck
 from torch.func import functional_call
 
-from resformer_hf.value_residual import (
+from resformer_hf.fused_mixing import (
     corrected_output_projection,
     dense_values,
     is_plain_linear,

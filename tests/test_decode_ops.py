@@ -1,0 +1,157 @@
+"""Decoding costs what Llama's does: the no-grad mix, its op budget per decode step, and its exactness.
+
+Without a gradient the value residual mixes on v_proj's output (`value_residual.mix_on_output`) instead of through the
+fused training functions. Op counts are exact and independent of machine load, so they are asserted here; the time
+they cost is measured only in `benchmarks/bench_decode.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache, LlamaForCausalLM, StaticCache
+
+from resformer_hf.cache_resformer import share_first_layer_values
+from resformer_hf.configuration_resformer import CORRECT, MIX_ALL, REUSE, VARIANTS
+
+from helpers import NON_DEFAULT, llama_config_like, model_with_random_lambdas, tiny_config
+from reference import reference_logits
+
+#: The issue's decode step: hidden 256 × 8 layers, one query head per kv head, 64 cached tokens, batch 1.
+DECODE_SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=672, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=8, max_position_embeddings=128, tie_word_embeddings=False)
+#: Extra ops a decode step may dispatch per receiving layer beyond Llama's (others: 1), and per forward pass.
+PER_LAYER = {MIX_ALL: 3, CORRECT: 2}
+PER_FORWARD = 8
+
+
+class OpCount(TorchDispatchMode):
+    """Counts every aten op dispatched below autograd (views and allocations included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def decode_step_ops(model, context: int = 64) -> int:
+    """Aten ops of one eager decode step with a dynamic cache holding `context` tokens, batch 1."""
+    prompt = torch.randint(3, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    cache = DynamicCache(config=model.config)
+    if getattr(model.config, "layers_without_value_projection", None):  # values stored once, as generate() does
+        share_first_layer_values(cache)
+    token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    with OpCount() as counter:
+        model(token, past_key_values=cache, use_cache=True)
+    return counter.ops
+
+
+def test_a_decode_step_dispatches_at_most_the_budgeted_ops_beyond_llama(variant):
+    config = tiny_config(variant, **DECODE_SHAPE)
+    llama_ops = decode_step_ops(LlamaForCausalLM(llama_config_like(config)).eval())
+    extra = decode_step_ops(model_with_random_lambdas(config)) - llama_ops
+    role = VARIANTS[variant].role
+    if role == REUSE:  # no v_proj after layer 0: cheaper than Llama
+        assert extra < 0, extra
+        return
+    budget = PER_LAYER.get(role, 1) * len(config.value_residual_receivers) + PER_FORWARD
+    assert extra <= budget, (variant, extra, budget)
+    if variant == "none":
+        assert extra == 0
+
+
+CASES = ["no_grad", "frozen", "trainable", "only_lambdas", "one_v_proj", "input_gradient"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_training_mix_runs_exactly_when_a_gradient_can_be_wanted(case):
+    """The inference mix under `no_grad` or with nothing requiring grad; the fused training mix otherwise."""
+    model = model_with_random_lambdas(tiny_config("learnable"))
+    resolved = []
+    model.model.value_residual.register_forward_hook(lambda module, args, output: resolved.append(output))
+    if case in ("frozen", "only_lambdas", "one_v_proj", "input_gradient"):
+        model.requires_grad_(False)
+    if case == "only_lambdas":
+        model.model.value_residual.requires_grad_(True)
+    if case == "one_v_proj":  # like a LoRA adapter on one projection
+        model.model.layers[2].self_attn.v_proj.weight.requires_grad_(True)
+    embeds = model.model.embed_tokens(torch.randint(3, 128, (1, 7))).detach()
+    if case == "input_gradient":
+        embeds.requires_grad_(True)
+    with torch.set_grad_enabled(case != "no_grad"):
+        logits = model(inputs_embeds=embeds).logits
+    training = case not in ("no_grad", "frozen")
+    assert isinstance(resolved[-1], torch.Tensor) == training
+    assert logits.requires_grad == training
+    with torch.no_grad():
+        assert (logits - model(inputs_embeds=embeds).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("settings", ["defaults", "non_default"])
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped queries, and one query head per kv head
+def test_no_grad_forward_matches_the_plain_reference(variant, settings, kv_heads):
+    fields = NON_DEFAULT[variant] if settings == "non_default" else {}
+    model = model_with_random_lambdas(tiny_config(variant, num_key_value_heads=kv_heads, **fields))
+    input_ids = torch.randint(3, 128, (2, 11))
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        actual = model(input_ids).logits
+    assert (actual - reference_logits(model.config, state, input_ids)).abs().max().item() <= 1e-5
+
+
+def decode_logits(forward, model, prompt: torch.Tensor, steps: int, cache) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Greedy decoding one token at a time through `forward` with `cache`: each step's last logits, all tokens."""
+    tokens, step_logits = prompt, []
+    logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+    for _ in range(steps):
+        step_logits.append(logits)
+        tokens = torch.cat((tokens, logits.argmax(-1, keepdim=True)), dim=1)
+        logits = forward(tokens[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
+    return step_logits, tokens
+
+
+def assert_matches_uncached_and_reference(model, step_logits: list[torch.Tensor], tokens: torch.Tensor) -> None:
+    """Every cached step's logits equal the uncached forward's and the reference's at that position."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    prompt_length = tokens.shape[1] - len(step_logits)
+    with torch.no_grad():
+        uncached = model(tokens, use_cache=False).logits
+    expected = reference_logits(model.config, state, tokens)
+    assert (uncached - expected).abs().max().item() <= 1e-5
+    for step, logits in enumerate(step_logits):
+        position = prompt_length + step - 1
+        assert (logits - uncached[:, position]).abs().max().item() <= 1e-5, step
+    assert torch.equal(tokens[:, prompt_length:], uncached[:, prompt_length - 1 : -1].argmax(-1))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_cached_decoding_equals_the_uncached_forward_and_the_reference(variant, kv_heads):
+    model = model_with_random_lambdas(tiny_config(variant, num_key_value_heads=kv_heads, initializer_range=0.2,
+                                                  **NON_DEFAULT[variant]))
+    prompt = torch.randint(3, 128, (2, 6))
+    cache = DynamicCache(config=model.config)
+    if model.config.layers_without_value_projection:
+        share_first_layer_values(cache)
+    with torch.no_grad():
+        step_logits, tokens = decode_logits(model, model, prompt, 8, cache)
+    assert_matches_uncached_and_reference(model, step_logits, tokens)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_with_a_static_cache_equals_the_uncached_forward_and_the_reference(variant):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = model_with_random_lambdas(tiny_config(variant, initializer_range=0.2, **NON_DEFAULT[variant]))
+    prompt = torch.randint(3, 128, (1, 6))
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    if model.config.layers_without_value_projection:
+        share_first_layer_values(cache)
+    with torch.no_grad():
+        step_logits, tokens = decode_logits(torch.compile(model.forward, fullgraph=True), model, prompt, 6, cache)
+    assert_matches_uncached_and_reference(model, step_logits, tokens)
