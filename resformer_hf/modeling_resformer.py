@@ -167,8 +167,10 @@ class ResFormerAttention(LlamaAttention):
             **kwargs,
         )
         if self.applies_neutreno:
+            # [B, T, H_q, D] as the correction is laid out; vLLM's attention function returns [T, H_q·D]
             attn_output = corrected_output_projection(
-                attn_output, residual_values, own_values, self.o_proj, weights, self.num_key_value_groups
+                attn_output.reshape(*input_shape, -1, self.head_dim), residual_values, own_values, self.o_proj,
+                weights, self.num_key_value_groups,
             )
         else:
             attn_output = attn_output.reshape(*input_shape, -1).contiguous()
