@@ -45,7 +45,7 @@ from vllm_serving import ENGINE_ARGS, engine_env, free_port, run_engine  # noqa:
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
-#: Prompts of different lengths (1 to ~100 tokens; the last is the first 240 characters of the bundled sample text), so
+#: Prompts of different lengths (2 to 174 tokens; the last is the first 240 characters of the bundled sample text), so
 #: vLLM packs sequences of different lengths into one step.
 PROMPT_TEXTS = ("It", "The quick brown fox", "Once upon a time there was a little girl who lived in a village near")
 SERVED = ("learnable_plus", "svformer")
