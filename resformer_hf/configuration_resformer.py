@@ -12,6 +12,8 @@ This file is copied next to `config.json` for `trust_remote_code` loading, so it
 
 from __future__ import annotations
 
+# `from ._compat import ...`, not `from . import _compat`: transformers' remote-code loader copies only sibling files
+# named by `from .name import` (dynamic_module_utils.get_relative_imports), so the latter breaks trust_remote_code.
 from ._compat import OLDEST_SUPPORTED  # noqa: F401  (first: refuses an unsupported transformers in one line)
 
 # isort: split

