@@ -36,6 +36,7 @@ from pretraining import (
     command_line,
     open_study,
     paired_difference,
+    portable_config,
     prepare_training,
     seeds_from_args,
     spread,
@@ -74,15 +75,21 @@ def adopt_pretrain_runs(store: RunStore, source: Path) -> list[str]:
     if not source.is_file():
         return []
     saved = json.loads(source.read_text())
-    if saved.get("config") != store.config:
+    if portable_config(saved.get("config") or {}) != store.config:
         return []
     adopted = [key for key in saved.get("runs", {}) if key not in store and key.split("/")[0] in ARMS]
     for key in adopted:
         store.runs[key] = dict(saved["runs"][key], adopted_from=source.name)
-    if adopted:
+    described = {k: v for k, v in saved.get("meta", {}).items() if k in DESCRIPTION and k not in store.meta}
+    if adopted or described:
         store.meta.setdefault("adopted", {}).update({key: source.name for key in adopted})
+        store.meta.update(described)
         store.save()
     return adopted
+
+
+#: What a store's meta says about how its runs were measured (copied along with adopted runs).
+DESCRIPTION = ("size", "environment", "data", "budget")
 
 
 def train_all(args: argparse.Namespace, argv, seeds: list[int]) -> None:
@@ -120,6 +127,8 @@ def summarize(args: argparse.Namespace, seeds: list[int]) -> dict:
     summary = {}
     for context in args.contexts:
         _, store = open_context(args, context)
+        if context == 128 and args.reuse:
+            adopt_pretrain_runs(store, RESULTS_DIR / "pretrain.json")
         complete = [s for s in seeds if all(f"{a}/seed{s}" in store for a in args.arms)]
         if not complete:
             continue

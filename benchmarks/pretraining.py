@@ -442,6 +442,20 @@ def parameter_saving(llama_fit, resformer_fit, largest: float) -> float:
 # ---- resumable results ---------------------------------------------------------------------------------------------
 
 
+def portable_path(path: str | os.PathLike) -> str:
+    """`path` relative to the repository (e.g. `../shared/data/corpus`): what results files record, since an absolute
+    path names one machine's layout."""
+    return os.path.relpath(Path(path).resolve(), REPO_ROOT)
+
+
+def portable_config(config: dict) -> dict:
+    """A study config with its corpus folder as a repository-relative path (stores written with an absolute path
+    still match the settings they were trained with)."""
+    if config.get("corpus_dir") is not None and os.path.isabs(config["corpus_dir"]):
+        config = {**config, "corpus_dir": portable_path(config["corpus_dir"])}
+    return config
+
+
 class RunStore:
     """Finished runs of a study in one JSON file, written after every run so an interrupted study resumes.
 
@@ -451,12 +465,12 @@ class RunStore:
 
     def __init__(self, path: Path, config: dict, *, fresh: bool = False):
         self.path = Path(path)
-        self.config = json.loads(json.dumps(config))  # what JSON round-trips to, so the comparison is exact
+        self.config = portable_config(json.loads(json.dumps(config)))  # as JSON round-trips it: exact comparisons
         self.runs: dict[str, dict] = {}
         self.meta: dict = {}
         if self.path.is_file() and not fresh:
             saved = json.loads(self.path.read_text())
-            if saved.get("config") == self.config:
+            if portable_config(saved.get("config") or {}) == self.config:
                 self.runs = saved.get("runs", {})
                 self.meta = saved.get("meta", {})
             else:
@@ -564,7 +578,9 @@ def size_from_args(args: argparse.Namespace, **overrides) -> ModelSize:
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command that regenerates a study's results, as its table quotes it."""
-    return " ".join([f"python benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+    arguments = sys.argv[1:] if argv is None else argv
+    arguments = [portable_path(a) if os.path.isabs(a) and os.path.exists(a) else a for a in arguments]
+    return " ".join([f"python benchmarks/{script}", *arguments])
 
 
 def study_config(args: argparse.Namespace, *extra: str) -> dict:
@@ -573,9 +589,7 @@ def study_config(args: argparse.Namespace, *extra: str) -> dict:
              "heads", "intermediate_size", "tokens", "seq_len", "batch_size", "lr", "warmup", "weight_decay",
              "eval_every", "device", *extra]
     config = {name: getattr(args, name) for name in names if hasattr(args, name)}
-    if config.get("corpus_dir") is not None:
-        config["corpus_dir"] = str(Path(config["corpus_dir"]).resolve())
-    return config
+    return portable_config(config)
 
 
 def open_study(args: argparse.Namespace, name: str, *config_flags: str) -> RunStore:

@@ -15,6 +15,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import bench_context_length  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_param_efficiency  # noqa: E402
 import bench_pretrain  # noqa: E402
@@ -204,6 +205,35 @@ def test_seeds_study_end_to_end(private_tmp, monkeypatch):
     assert (out / "pretrain.png").stat().st_size > 0 and (out / "pretrain_analysis.png").stat().st_size > 0
     _forbid_training(monkeypatch, bench_pretrain)
     bench_pretrain.main(argv)  # resumed: every run is already saved
+
+
+def test_context_length_study_end_to_end_and_resumed(private_tmp, monkeypatch):
+    out = private_tmp / "out"
+    data = [a for a in TINY_DATA if a not in ("--seq-len", "32", "--batch-size", "4")]
+    argv = data + ["--hidden-size", "32", "--layers", "2", "--heads", "2", "--tokens", "512", "--eval-every", "2",
+                   "--contexts", "16", "32", "--tokens-per-step", "64", "--seeds", "0", "1", "--out", str(out)]
+    bench_context_length.main(argv)
+    for context, batch in ((16, 4), (32, 2)):
+        store = json.loads((out / "context_length" / f"ctx{context}.json").read_text())
+        assert (store["config"]["seq_len"], store["config"]["batch_size"]) == (context, batch)
+        assert sorted(store["runs"]) == sorted(f"{a}/seed{s}" for a in bench_context_length.ARMS for s in (0, 1))
+        assert all(r["curve"][-1][0] == 512 for r in store["runs"].values())  # same tokens at every context
+        assert not Path(store["config"]["corpus_dir"]).is_absolute()
+    table = (out / "context_length.md").read_text()
+    assert all(f"| {c} | `{a}` | 2 |" in table for c in (16, 32) for a in bench_context_length.ARMS)
+    assert "Incomplete" not in table and (out / "context_length.png").stat().st_size > 0
+    monkeypatch.setattr(bench_context_length, "run_one", lambda *a: (_ for _ in ()).throw(AssertionError("rerun")))
+    bench_context_length.main(argv)  # resumed: every run is already saved
+
+
+def test_results_record_repository_relative_paths():
+    assert pretraining.portable_path(pretraining.REPO_ROOT / "benchmarks") == "benchmarks"
+    config = pretraining.portable_config({"corpus_dir": str(pretraining.REPO_ROOT.parent / "shared" / "corpus")})
+    assert config["corpus_dir"] == "../shared/corpus"
+    assert pretraining.command_line("x.py", ["--corpus-dir", str(pretraining.REPO_ROOT / "README.md")]) == (
+        "python benchmarks/x.py --corpus-dir README.md")
+    for path in (Path(bench_pretrain.__file__).parent / "results").glob("*.md"):
+        assert str(pretraining.REPO_ROOT) not in path.read_text(), path
 
 
 def test_param_efficiency_study_end_to_end(private_tmp):
