@@ -57,17 +57,17 @@ class ValueResidual(nn.Module):
         self.extends_stack = [0 < layer < last_reader and layer in sources for layer in range(self.num_layers)]
         n = len(self.receivers)
         if self.parameterisation == PAIR:
-            self.lambda_first_offset = nn.Parameter(torch.zeros(n))
-            self.lambda_self_offset = nn.Parameter(torch.zeros(n))
+            self.lambda_first_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+            self.lambda_self_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         elif self.parameterisation == SOFTMAX:
-            self.lambda_logits = nn.Parameter(torch.zeros(n))
+            self.lambda_logits = nn.Parameter(torch.zeros(n, dtype=torch.float32))
             # Shape [1], not a 0-dim scalar: FSDP2 and DeepSpeed ZeRO refuse 0-dim parameters. Checkpoints that saved
             # it as a scalar still load (`LAMBDA_CHECKPOINT_CONVERSIONS`, `_load_from_state_dict`).
-            self.lambda_scale_offset = nn.Parameter(torch.zeros(1))
-            self.lambda_self_offset = nn.Parameter(torch.zeros(n))
+            self.lambda_scale_offset = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+            self.lambda_self_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         elif self.parameterisation == DENSE:
             # Row r: offsets of receiving layer receivers[r] on the raw values V_0 .. V_{L-1}; columns > layer unused.
-            self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers))
+            self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers, dtype=torch.float32))
         # Fixed λ give a constant matrix: build it once instead of ~10 tiny ops per forward, which cost several % of a
         # small model's prefill. A non-persistent buffer follows `.to(device)` / device maps like Llama's rotary
         # `inv_freq`; like it, `_init_weights` rebuilds it when transformers loads on the meta device.

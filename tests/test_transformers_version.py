@@ -339,5 +339,7 @@ def test_refresh_code_refuses_what_is_not_a_resformer_folder(tmp_path, capsys):
         error = capsys.readouterr().err
         assert error.startswith("resformer-convert: error:") and message in error and error.count("\n") == 1
         assert _digests(tmp_path / folder) == before
-    assert convert_main(["src", "dst", "--refresh-code", str(tmp_path / "llama")]) == 2
-    assert convert_main([]) == 2
+    for argv in (["src", "dst", "--refresh-code", str(tmp_path / "llama")], []):
+        with pytest.raises(SystemExit) as exit_info:
+            convert_main(argv)
+        assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1

@@ -8,15 +8,26 @@ from collections.abc import Sequence
 
 from ..configuration_resformer import DEFAULT_CONVERSION_VARIANT, convertible_variants
 from ..conversion import DTYPES, INITS, convert_llama_checkpoint
-from ..errors import UserInputError
 from ..hub import refresh_remote_code
 from .common import OneLineParser, add_debug_flag, run_command
 
 PROG = "resformer-convert"
 
 
+class _ConvertParser(OneLineParser):
+    """SRC and DST are required unless --refresh-code names a folder to update in place (then neither is taken)."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if parsed.refresh_code is not None and (parsed.src is not None or parsed.dst is not None):
+            self.error("--refresh-code FOLDER takes no SRC or DST: it changes FOLDER's code in place")
+        if parsed.refresh_code is None and parsed.dst is None:
+            self.error(f"the following arguments are required: {'SRC, DST' if parsed.src is None else 'DST'}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
+    parser = _ConvertParser(
         prog=PROG,
         description="Upgrade a Llama-layout causal LM checkpoint (Llama, Mistral without sliding window, Qwen2) to "
         "ResFormer by adding the value-residual λ. By default the converted model computes exactly what the source "
@@ -52,13 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _convert(args: argparse.Namespace) -> int:
     if args.refresh_code is not None:
-        if args.src is not None or args.dst is not None:
-            raise UserInputError("--refresh-code FOLDER takes no SRC or DST: it changes FOLDER's code in place")
         written = refresh_remote_code(args.refresh_code)
         print(f"refreshed {args.refresh_code}: {', '.join(written)}")
         return 0
-    if args.src is None or args.dst is None:
-        raise UserInputError("the following arguments are required: SRC DST (or --refresh-code FOLDER)")
     report = convert_llama_checkpoint(
         args.src,
         args.dst,
