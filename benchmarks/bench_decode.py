@@ -30,6 +30,7 @@ import torch
 from bench_cost import CONTROL, DEFAULT_VARIANTS, census, parse_size, size_fields
 from transformers import DynamicCache, StaticCache
 
+from resformer_hf._compat import with_cache
 from resformer_hf.cache_resformer import share_first_layer_values
 from resformer_hf.configuration_resformer import VARIANTS
 
@@ -70,14 +71,14 @@ class Decoder:
         if getattr(model.config, "layers_without_value_projection", None):  # SVFormer: values once, as generate()
             share_first_layer_values(self.cache)
         with torch.no_grad():
-            out = model(prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1)  # eager prefill
+            out = model(prompt, **with_cache(self.cache), use_cache=True, logits_to_keep=1)  # eager prefill
         self.token = out.logits[:, -1:].argmax(-1)
 
     @torch.no_grad()
     def burst(self) -> None:
         token = self.token
         for _ in range(self.steps):
-            token = self.forward(token, past_key_values=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = self.forward(token, **with_cache(self.cache), use_cache=True).logits[:, -1:].argmax(-1)
         for layer in self.cache.layers:  # rewind to the context: every burst decodes at the same length
             if self.compiled:
                 layer.cumulative_length.sub_(self.steps)
@@ -87,7 +88,7 @@ class Decoder:
     @torch.no_grad()
     def step(self) -> None:
         """One decode step, then rewound (what the op census counts)."""
-        self.forward(self.token, past_key_values=self.cache, use_cache=True)
+        self.forward(self.token, **with_cache(self.cache), use_cache=True)
         for layer in self.cache.layers:
             layer.crop(-1)
 

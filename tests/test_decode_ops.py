@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 
+from resformer_hf._compat import with_cache
 from resformer_hf.cache_resformer import share_first_layer_values
 from resformer_hf.configuration_resformer import CORRECT, MIX_ALL, REUSE, VARIANTS
 
@@ -45,9 +46,9 @@ def decode_step_ops(model, context: int = 64) -> int:
     cache = DynamicCache(config=model.config)
     if getattr(model.config, "layers_without_value_projection", None):  # values stored once, as generate() does
         share_first_layer_values(cache)
-    token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    token = model(prompt, **with_cache(cache), use_cache=True).logits[:, -1:].argmax(-1)
     with OpCount() as counter:
-        model(token, past_key_values=cache, use_cache=True)
+        model(token, **with_cache(cache), use_cache=True)
     return counter.ops
 
 
@@ -107,11 +108,11 @@ def test_no_grad_forward_matches_the_plain_reference(variant, settings, kv_heads
 def decode_logits(forward, model, prompt: torch.Tensor, steps: int, cache) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Greedy decoding one token at a time through `forward` with `cache`: each step's last logits, all tokens."""
     tokens, step_logits = prompt, []
-    logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+    logits = model(prompt, **with_cache(cache), use_cache=True).logits[:, -1]
     for _ in range(steps):
         step_logits.append(logits)
         tokens = torch.cat((tokens, logits.argmax(-1, keepdim=True)), dim=1)
-        logits = forward(tokens[:, -1:], past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = forward(tokens[:, -1:], **with_cache(cache), use_cache=True).logits[:, -1]
     return step_logits, tokens
 
 
