@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_pretrain import run_one
+from bench_pretrain import run_one, seed_table
+from bench_pretrain import summarize as pretrain_summary
 from scipy import stats
 
 from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
@@ -35,12 +36,9 @@ from pretraining import (
     add_study_args,
     command_line,
     open_study,
-    paired_difference,
     portable_config,
     prepare_training,
     seeds_from_args,
-    spread,
-    tokens_to_reach,
 )
 
 ARMS = [BASELINE, "identity", "learnable_plus", "svformer"]
@@ -129,22 +127,11 @@ def summarize(args: argparse.Namespace, seeds: list[int]) -> dict:
         _, store = open_context(args, context)
         if context == 128 and args.reuse:
             adopt_pretrain_runs(store, RESULTS_DIR / "pretrain.json")
-        complete = [s for s in seeds if all(f"{a}/seed{s}" in store for a in args.arms)]
-        if not complete:
+        if not seed_table(store, args.arms, seeds)[1]:  # no seed has finished every arm yet
             continue
-        base = [store[f"{BASELINE}/seed{s}"] for s in complete]
-        arms = {}
-        for arm in args.arms:
-            runs = [store[f"{arm}/seed{s}"] for s in complete]
-            finals = [r["final_val_loss"] for r in runs]
-            reached = [tokens_to_reach(r["curve"], b["final_val_loss"]) for r, b in zip(runs, base)]
-            fewer = [1 - t / b["curve"][-1][0] for t, b in zip(reached, base) if t is not None]
-            entry = {"final": spread(finals), "fewer": spread(fewer) if fewer else None,
-                     "not_reached": sum(t is None for t in reached), "finals": finals}
-            if arm != BASELINE:
-                entry["delta"] = paired_difference(finals, [b["final_val_loss"] for b in base])
-            arms[arm] = entry
-        summary[context] = {"seeds": complete, "arms": arms, "meta": store.meta, "config": store.config}
+        per_context = pretrain_summary(store, args.arms, seeds)  # the pre-training study's numbers, per context
+        summary[context] = {"seeds": per_context["seeds"], "arms": per_context["variants"], "meta": store.meta,
+                            "config": store.config}
     return summary
 
 
@@ -162,8 +149,8 @@ def write_report(args: argparse.Namespace, seeds: list[int]) -> Path | None:
                 d = e["delta"]
                 delta = f"{d.mean:+.4f} ± {d.std:.4f} [{d.low:+.3f}, {d.high:+.3f}]"
                 check = f"{d.negative}/{d.n} seeds lower; {d.verdict()}"
-                fewer = "not reached" if e["fewer"] is None else (
-                    f"{100 * e['fewer'].mean:.1f}% ± {100 * e['fewer'].std:.1f}%"
+                fewer = "not reached" if e["fewer_tokens"] is None else (
+                    f"{100 * e['fewer_tokens'].mean:.1f}% ± {100 * e['fewer_tokens'].std:.1f}%"
                     + (f" ({e['not_reached']} seed(s) never reached it)" if e["not_reached"] else ""))
             rows.append([context, f"`{arm}`", len(entry["seeds"]), e["final"].format(".4f"), delta, check, fewer])
     first = next(iter(summary.values()))
@@ -231,8 +218,8 @@ def plot(summary: dict, path: Path) -> None:
             half = (d.high - d.low) / 2 if np.isfinite(d.high) else 0.0
             lows.append(half)
             highs.append(half)
-            fewer.append(100 * e["fewer"].mean if e["fewer"] else np.nan)
-            fewer_std.append(100 * e["fewer"].std if e["fewer"] else 0.0)
+            fewer.append(100 * e["fewer_tokens"].mean if e["fewer_tokens"] else np.nan)
+            fewer_std.append(100 * e["fewer_tokens"].std if e["fewer_tokens"] else 0.0)
         color = f"C{index + 1}"
         left.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=4, color=color, label=arm)
         right.errorbar(xs, fewer, yerr=fewer_std, marker="o", capsize=4, color=color, label=arm)
