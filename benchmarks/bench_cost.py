@@ -27,15 +27,13 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import StaticCache
 
-from resformer_hf._compat import with_cache
-from resformer_hf.cache_resformer import share_first_layer_values
 from resformer_hf.configuration_resformer import VARIANTS
 
 from common import (
     BASELINE,
     RESULTS_DIR,
+    Decoder,
     add_device_args,
     build_model,
     environment_line,
@@ -240,30 +238,6 @@ def measure(hidden: int, layers: int, seq_len: int, args, device: torch.device) 
 # ---- torch.compile ------------------------------------------------------------------------------------------------
 
 
-class CompiledDecoder:
-    """Decodes bursts of single tokens through a compiled forward and a static KV cache holding a random context."""
-
-    def __init__(self, model, context: int, steps: int, device: torch.device):
-        self.model, self.steps = model.eval(), steps
-        self.forward = torch.compile(model.forward)
-        generator = torch.Generator().manual_seed(1)
-        prompt = torch.randint(3, model.config.vocab_size, (1, context), generator=generator).to(device)
-        self.cache = StaticCache(config=model.config, max_cache_len=context + steps)
-        if getattr(model.config, "layers_without_value_projection", None):  # SVFormer: values once, as generate()
-            share_first_layer_values(self.cache)
-        with torch.no_grad():
-            out = model(prompt, **with_cache(self.cache), use_cache=True, logits_to_keep=1)  # eager prefill
-        self.token = out.logits[:, -1:].argmax(-1)
-
-    @torch.no_grad()
-    def burst(self) -> None:
-        token = self.token
-        for _ in range(self.steps):
-            token = self.forward(token, **with_cache(self.cache), use_cache=True).logits[:, -1:].argmax(-1)
-        for layer in self.cache.layers:  # rewind to the context: every burst decodes at the same length
-            layer.cumulative_length.sub_(self.steps)
-
-
 def measure_compiled(hidden: int, layers: int, args, device: torch.device) -> dict:
     """Compiled training step (forward + backward by AOTAutograd, eager AdamW) and compiled decode step vs Llama."""
     # Every model's forward runs through the same transformers wrapper code, and dynamo caches graphs per code object:
@@ -283,7 +257,7 @@ def measure_compiled(hidden: int, layers: int, args, device: torch.device) -> di
         trainers[name].step()  # compiles forward and backward
         torch.manual_seed(args.seed)
         decoder_model = build_model(variant, device, dtype=getattr(torch, args.dtype), **size)
-        decoders[name] = CompiledDecoder(decoder_model, args.decode_context, args.decode_steps, device)
+        decoders[name] = Decoder(decoder_model, 1, args.decode_context, args.decode_steps, True, device)
         decoders[name].burst()  # compiles the decode step
         compile_seconds[name] = time.perf_counter() - start
         print(f"  compiled {name} in {compile_seconds[name]:.0f} s", flush=True)

@@ -28,15 +28,13 @@ from pathlib import Path
 
 import torch
 from bench_cost import CONTROL, DEFAULT_VARIANTS, census, parse_size, size_fields
-from transformers import DynamicCache, StaticCache
 
-from resformer_hf._compat import with_cache
-from resformer_hf.cache_resformer import share_first_layer_values
 from resformer_hf.configuration_resformer import VARIANTS
 
 from common import (
     BASELINE,
     RESULTS_DIR,
+    Decoder,
     add_device_args,
     build_model,
     environment_line,
@@ -54,43 +52,6 @@ def goal(name: str) -> float:
     if name in VARIANTS and VARIANTS[name].drops_value_projections:
         return 1.0
     return 1.03 if name in VARIANTS and VARIANTS[name].keeps_every_layers_values else 1.01
-
-
-class Decoder:
-    """Decodes bursts of single tokens after a random context, rewinding the cache after each burst."""
-
-    def __init__(self, model, batch: int, context: int, steps: int, compiled: bool, device: torch.device):
-        self.model, self.steps, self.compiled = model.eval(), steps, compiled
-        self.forward = torch.compile(model.forward) if compiled else model
-        generator = torch.Generator().manual_seed(1)
-        prompt = torch.randint(3, model.config.vocab_size, (batch, context), generator=generator).to(device)
-        if compiled:
-            self.cache = StaticCache(config=model.config, max_cache_len=context + steps)
-        else:
-            self.cache = DynamicCache(config=model.config)
-        if getattr(model.config, "layers_without_value_projection", None):  # SVFormer: values once, as generate()
-            share_first_layer_values(self.cache)
-        with torch.no_grad():
-            out = model(prompt, **with_cache(self.cache), use_cache=True, logits_to_keep=1)  # eager prefill
-        self.token = out.logits[:, -1:].argmax(-1)
-
-    @torch.no_grad()
-    def burst(self) -> None:
-        token = self.token
-        for _ in range(self.steps):
-            token = self.forward(token, **with_cache(self.cache), use_cache=True).logits[:, -1:].argmax(-1)
-        for layer in self.cache.layers:  # rewind to the context: every burst decodes at the same length
-            if self.compiled:
-                layer.cumulative_length.sub_(self.steps)
-            else:
-                layer.crop(-self.steps)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """One decode step, then rewound (what the op census counts)."""
-        self.forward(self.token, **with_cache(self.cache), use_cache=True)
-        for layer in self.cache.layers:
-            layer.crop(-1)
 
 
 class Generation:
