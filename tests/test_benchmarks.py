@@ -16,6 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import bench_context_length  # noqa: E402
+import bench_cost  # noqa: E402
 import bench_decode  # noqa: E402
 import bench_param_efficiency  # noqa: E402
 import bench_pretrain  # noqa: E402
@@ -303,6 +304,23 @@ def test_decode_benchmark_end_to_end(tmp_path):
     ops = {line.split(" | ")[0]: int(line.rstrip(" |").split(" | ")[-1]) for line in table.splitlines()
            if line.startswith("| ") and line.rstrip(" |").split(" | ")[-1].lstrip("+-").isdigit()}
     assert ops["| Llama again (noise floor)"] == 0 and ops["| `svformer`"] < 0 < ops["| `dense`"]
+
+
+def test_cost_benchmark_end_to_end(tmp_path):
+    """A tiny eager run writes every column, decode included; the op census is exact, so its signs are asserted:
+    SVFormer drops a value projection per layer (fewer ops), `dense` adds its running sum (more), Llama again is 0."""
+    out = tmp_path / "out"
+    bench_cost.main(["--sizes", "64x2", "--seq-lens", "16", "--batch-size", "1", "--vocab-size", "64", "--variants",
+                     "dense", "svformer", "--repeats", "1", "--rounds", "1", "--round-seconds", "0", "--max-repeats",
+                     "1", "--decode-steps", "2", "--no-compile", "--threads", "1", "--out", str(out), "--no-readme"])
+    table = (out / "cost.md").read_text()
+    assert "--rounds 1" in table.splitlines()[1] and "--decode-steps 2" in table.splitlines()[1]  # honest command
+    assert "| eager decode time |" in table and "| decode step: aten ops, bytes written |" in table
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in table.splitlines() if line.startswith("| `")
+            or line.startswith("| Llama again")}
+    decode_ops = {name: int(cells[7].split(",")[0]) for name, cells in rows.items()}
+    assert decode_ops["| Llama again (noise floor)"] == 0 and decode_ops["| `svformer`"] < 0 < decode_ops["| `dense`"]
+    assert (out / "cost.png").stat().st_size > 0
 
 
 def test_study_flags_errors():
