@@ -24,6 +24,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ DEFAULT_VARIANTS = ["identity", "constant", "learnable", "learnable_plus", "spar
 METRICS = ("step", "memory", "prefill", "decode")
 #: Flags that change what is measured beyond the sizes; the "Regenerate" command names them when not the default.
 TIMING_FLAGS = ("variants", "vocab_size", "head_dim", "gqa_groups", "dtype", "repeats", "round_seconds", "max_repeats",
-                "rounds", "compile_seq_len", "decode_context", "decode_steps", "seed")
+                "rounds", "compile_seq_len", "decode_context", "decode_steps", "seed", "clock")
 #: A second Llama, identical to the first, timed like the variants: its ratio is the run's noise floor.
 CONTROL = "llama, again"
 
@@ -193,9 +194,14 @@ def census(action) -> tuple[int, int]:
     return counter.ops, counter.bytes
 
 
+def clock_of(args) -> Callable[[], float]:
+    """Wall time, or this process's CPU time (`--clock cpu`): what a shared CPU machine can time without the waits."""
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
 def repeats_for(action, names: list[str], args, device: torch.device) -> int:
     """Small models take milliseconds per step: time them more often so each round spans about --round-seconds."""
-    probe = interleaved_medians({BASELINE: action}, 3, 1, device)[BASELINE]
+    probe = interleaved_medians({BASELINE: action}, 3, 1, device, clock=clock_of(args))[BASELINE]
     return min(args.max_repeats, max(args.repeats, math.ceil(args.round_seconds / (len(names) * probe))))
 
 
@@ -204,7 +210,7 @@ def round_robin_ratios(actions: dict, repeats: int, args, device: torch.device) 
     ratios: dict[str, list[float]] = {name: [] for name in actions}
     seconds = []
     for _ in range(args.rounds):
-        medians = interleaved_medians(actions, repeats, 1, device)
+        medians = interleaved_medians(actions, repeats, 1, device, clock=clock_of(args))
         seconds.append(medians[BASELINE])
         for name in actions:
             ratios[name].append(medians[name] / medians[BASELINE])
@@ -338,8 +344,10 @@ def write_report(results: list[dict], compiled: dict | None, args, device: torch
     lines = [
         "# Cost of the value residual vs Llama (same size, same run)",
         f"Regenerate: `{command_line(args)}` (also rewrites the README's cost paragraph). {environment_line(device)}",
-        f"Ratios to HF `LlamaForCausalLM` of the same size (1.000 = same cost; bold = above the issue-15 goal: memory "
-        f"1.005, `dense` 1.03; time 1.02, from hidden 512 on 1.01, `dense` 1.05; compiled 1.01). Step = forward + "
+        f"Ratios to HF `LlamaForCausalLM` of the same size, times by the "
+        f"{'CPU time of this process' if args.clock == 'cpu' else 'wall clock'} (1.000 = same cost; bold = above "
+        "the issue-15 goal: memory 1.005, `dense` 1.03; time 1.02, from hidden 512 on 1.01, `dense` 1.05; compiled "
+        "1.01). Step = forward + "
         f"backward + AdamW, median over {args.rounds} rounds of the median of N interleaved repeats (order rotated "
         f"each repeat), with the lowest and highest of the per-round ratios in brackets (the run-to-run spread); "
         f"prefill = no-grad forward with a fresh KV cache; decode = bursts of {args.decode_steps} single tokens "
@@ -498,12 +506,17 @@ def main(argv=None) -> None:
     parser.add_argument("--compile-seq-len", type=int, default=256, help="compiled training sequence (default 256)")
     parser.add_argument("--decode-context", type=int, default=512, help="tokens in the static cache (default 512)")
     parser.add_argument("--decode-steps", type=int, default=16, help="tokens per timed decode burst (default 16)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time with the wall clock (default) or this process's CPU time (CPU device only): on a "
+                        "shared machine CPU time leaves out the waiting for a core")
     parser.add_argument("--out", default=str(RESULTS_DIR))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README's cost paragraph")
     args = parser.parse_args(argv)
     args.changed_timing = {key: getattr(args, key) for key in TIMING_FLAGS
                            if getattr(args, key) != parser.get_default(key)}
     device = setup_device(args)
+    if args.clock == "cpu" and device.type != "cpu":
+        parser.error("--clock cpu times CPU work only; use the wall clock on a GPU")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = []
     for hidden, layers in args.sizes:
