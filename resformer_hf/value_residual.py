@@ -142,8 +142,9 @@ class ValueResidual(nn.Module):
 
         At most six small ops per forward pass (learnable_plus: the softmax, λ_scale, λ_self, a view, an unbind), so
         that a decode step pays per mixing layer only the one fused op of `mix_on_output`. Learnable λ_first become a
-        [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once; λ_self are unbound into 0-dim
-        tensors. `dense` hands layer 0 a copy of its offsets [R, L], which it unbinds into per-source columns.
+        [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once (decode steps; a long
+        prompt's receivers scale it one at a time); λ_self are unbound into 0-dim tensors. `dense` hands layer 0 a
+        copy of its offsets [R, L], which it unbinds into per-source columns.
         """
         n, first_init, own_init = len(self.receivers), self.lambda_first_init, self.lambda_self_init
         first, owns = first_init, [own_init] * n
@@ -273,6 +274,21 @@ def fixed_value_weights(config: ResFormerConfig) -> tuple[float, float] | None:
 # tensor for backward; at decode that rescales the whole [H_kv·D, hidden] weight per layer per token. Without a
 # gradient the values are mixed after the projection instead: O(H_kv·D) per token, the weight never touched.
 
+#: Up to this many tokens per forward pass (a decode step, a speculative draft) layer 0 scales V_0 for all R receivers
+#: in one op; beyond it (a prompt's prefill) each receiver scales V_0 when it runs, so that prefill holds one scaled
+#: copy of V_0 at a time instead of R (R·B·H_kv·T·D elements: more than the cache's values for long prompts).
+BATCHED_SCALING_MAX_TOKENS = 16
+
+
+class ScaledPerReceiver(NamedTuple):
+    """λ_first[r]·V_0 for receiver r, computed when receiver r asks for it (long inputs; see above)."""
+
+    values: torch.Tensor  #: V_0 [B, H_kv, T, D]
+    first: tuple[torch.Tensor, ...]  #: one [1, 1, 1, 1] λ_first per receiver, in the values' dtype
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        return self.values * self.first[row]
+
 
 class LayerMix(NamedTuple):
     """What one layer does with values in a forward pass that needs no gradient (`ValueResidual(inference=True)`).
@@ -310,8 +326,9 @@ def mix_on_output(
     without gradient: v_proj runs as in Llama, then at most one op mixes (dense: three), on its output.
 
     What travels between layers (`residual_values`) depends on the variant: V_0 (`svformer`; fixed λ with
-    λ_self = 1), λ_first·V_0 (other fixed λ), λ_first·V_0 per receiver (learnable), λ·V_0 token-major (NeuTRENO), or
-    for `dense` the running mixes `Σ_j W[r, j]·V_j` of every receiver r with the per-source weight columns.
+    λ_self = 1), λ_first·V_0 (other fixed λ), λ_first·V_0 per receiver (learnable; scaled when asked for beyond
+    `BATCHED_SCALING_MAX_TOKENS`), λ·V_0 token-major (NeuTRENO), or for `dense` the running mixes `Σ_j W[r, j]·V_j`
+    of every receiver r (updated in place) with the per-source weight columns.
     """
     if mix.role == REUSE:
         return residual_values, None, residual_values
@@ -327,7 +344,7 @@ def mix_on_output(
         return torch.add(residual_values, own, alpha=mix.own), None, residual_values
     if mix.role == MIX_ALL or mix.extends:
         mixes, columns = residual_values
-        mixes = torch.addcmul(mixes, columns[mix.layer], own)
+        mixes = mixes.addcmul_(columns[mix.layer], own)  # made by layer 0 in this pass: in place keeps one copy
         values = torch.add(mixes[mix.row], own, alpha=mix.own) if mix.role == MIX_ALL else own
         return values, None, (mixes, columns)
     return own, raw, residual_values
@@ -343,7 +360,10 @@ def _first_values(mix: LayerMix, own: torch.Tensor, raw: torch.Tensor):
         columns = mix.first.to(own.dtype).view(*mix.first.shape, 1, 1, 1, 1).unbind(1)
         return own * (columns[0] + mix.first_init), columns
     if isinstance(mix.first, torch.Tensor):
-        return (own * mix.first.to(own.dtype)).unbind(0)
+        first = mix.first.to(own.dtype)
+        if own.shape[-2] > BATCHED_SCALING_MAX_TOKENS:
+            return ScaledPerReceiver(own, first.unbind(0))
+        return (own * first).unbind(0)
     return own if mix.own == 1.0 else own * mix.first
 
 

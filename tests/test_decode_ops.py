@@ -15,6 +15,7 @@ from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 from resformer_hf._compat import with_cache
 from resformer_hf.cache_resformer import share_first_layer_values
 from resformer_hf.configuration_resformer import CORRECT, MIX_ALL, REUSE, VARIANTS
+from resformer_hf.value_residual import BATCHED_SCALING_MAX_TOKENS
 
 from helpers import NON_DEFAULT, llama_config_like, model_with_random_lambdas, tiny_config
 from reference import reference_logits
@@ -93,12 +94,17 @@ def test_the_training_mix_runs_exactly_when_a_gradient_can_be_wanted(case):
         assert (logits - model(inputs_embeds=embeds).logits).abs().max().item() <= 1e-5
 
 
+#: Input lengths on both sides of `BATCHED_SCALING_MAX_TOKENS`: V_0 scaled for every receiver at once, or by each.
+LENGTHS = [11, BATCHED_SCALING_MAX_TOKENS + 9]
+
+
+@pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("settings", ["defaults", "non_default"])
 @pytest.mark.parametrize("kv_heads", [2, 4])  # grouped queries, and one query head per kv head
-def test_no_grad_forward_matches_the_plain_reference(variant, settings, kv_heads):
+def test_no_grad_forward_matches_the_plain_reference(variant, settings, kv_heads, length):
     fields = NON_DEFAULT[variant] if settings == "non_default" else {}
     model = model_with_random_lambdas(tiny_config(variant, num_key_value_heads=kv_heads, **fields))
-    input_ids = torch.randint(3, 128, (2, 11))
+    input_ids = torch.randint(3, 128, (2, length))
     state = {k: v.detach() for k, v in model.state_dict().items()}
     with torch.no_grad():
         actual = model(input_ids).logits
@@ -130,11 +136,12 @@ def assert_matches_uncached_and_reference(model, step_logits: list[torch.Tensor]
     assert torch.equal(tokens[:, prompt_length:], uncached[:, prompt_length - 1 : -1].argmax(-1))
 
 
+@pytest.mark.parametrize("prompt_length", [6, BATCHED_SCALING_MAX_TOKENS + 4])  # a long prompt: per-receiver prefill
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_cached_decoding_equals_the_uncached_forward_and_the_reference(variant, kv_heads):
+def test_cached_decoding_equals_the_uncached_forward_and_the_reference(variant, kv_heads, prompt_length):
     model = model_with_random_lambdas(tiny_config(variant, num_key_value_heads=kv_heads, initializer_range=0.2,
                                                   **NON_DEFAULT[variant]))
-    prompt = torch.randint(3, 128, (2, 6))
+    prompt = torch.randint(3, 128, (2, prompt_length))
     cache = DynamicCache(config=model.config)
     if model.config.layers_without_value_projection:
         share_first_layer_values(cache)
@@ -156,3 +163,76 @@ def test_compiled_decoding_with_a_static_cache_equals_the_uncached_forward_and_t
     with torch.no_grad():
         step_logits, tokens = decode_logits(torch.compile(model.forward, fullgraph=True), model, prompt, 6, cache)
     assert_matches_uncached_and_reference(model, step_logits, tokens)
+
+
+# ---- memory of a long prefill without gradient --------------------------------------------------------------------
+
+
+class PeakHeapBytes(TorchDispatchMode):
+    """The most bytes glibc's allocator has handed out, sampled after every aten op, beyond what was in use at entry.
+
+    CPU torch allocates tensors with malloc and caches nothing, so this counts tensors exactly (at op granularity,
+    on one thread: other threads may allocate from other arenas); `mallinfo2` is glibc ≥ 2.33."""
+
+    def __init__(self, mallinfo2):
+        super().__init__()
+        self.mallinfo2 = mallinfo2
+        self.start = self.in_use()
+        self.peak = 0
+
+    def in_use(self) -> int:
+        info = self.mallinfo2()
+        return info.uordblks + info.hblkhd  # heap chunks in use + mmapped chunks
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.in_use() - self.start)
+        return out
+
+
+def glibc_mallinfo2():
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc >= 2.33 (mallinfo2) to read the allocator's bytes in use")
+    mallinfo2.restype = MallInfo2
+    return mallinfo2
+
+
+def test_a_long_prefill_without_gradient_keeps_one_scaled_copy_of_the_first_values():
+    """A 512-token prefill holds what Llama's does plus at most one V_0-sized tensor (`dense`: one running mix per
+    receiver, its formulation), not one λ_first·V_0 per receiving layer all at once: measured from the allocator."""
+    mallinfo2 = glibc_mallinfo2()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        extra = {}
+        for variant in ["llama", *VARIANTS]:
+            config = tiny_config("identity" if variant == "llama" else variant, num_hidden_layers=6,
+                                 max_position_embeddings=1024)
+            model = (LlamaForCausalLM(llama_config_like(config)).eval() if variant == "llama"
+                     else model_with_random_lambdas(config))
+            input_ids = torch.randint(3, 128, (1, 512), generator=torch.Generator().manual_seed(0))
+            peaks = []
+            for _ in range(3):  # the first call also allocates what torch keeps for later calls
+                with torch.no_grad(), PeakHeapBytes(mallinfo2) as peak:
+                    model(input_ids, use_cache=True, logits_to_keep=1)
+                peaks.append(peak.peak)
+            extra[variant] = min(peaks) / (512 * config.num_key_value_heads * config.head_dim * 4)  # in V_0's
+    finally:
+        torch.set_num_threads(threads)
+    extra = {variant: value - extra["llama"] for variant, value in extra.items()}
+    receivers = 5
+    for variant, spec in VARIANTS.items():
+        if spec.drops_value_projections:
+            assert extra[variant] < 0, extra
+        elif spec.keeps_every_layers_values:
+            assert extra[variant] <= receivers + 0.5, extra  # before: 2 × receivers (a new running mix per layer)
+        else:
+            assert extra[variant] <= 1.5, extra  # before: learnable λ kept `receivers` scaled copies of V_0 at once
