@@ -24,7 +24,6 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,8 +35,10 @@ from common import (
     BASELINE,
     RESULTS_DIR,
     Decoder,
+    add_clock_arg,
     add_device_args,
     build_model,
+    clock_of,
     environment_line,
     interleaved_medians,
     markdown_table,
@@ -194,14 +195,9 @@ def census(action) -> tuple[int, int]:
     return counter.ops, counter.bytes
 
 
-def clock_of(args) -> Callable[[], float]:
-    """Wall time, or this process's CPU time (`--clock cpu`): what a shared CPU machine can time without the waits."""
-    return time.process_time if args.clock == "cpu" else time.perf_counter
-
-
 def repeats_for(action, names: list[str], args, device: torch.device) -> int:
     """Small models take milliseconds per step: time them more often so each round spans about --round-seconds."""
-    probe = interleaved_medians({BASELINE: action}, 3, 1, device, clock=clock_of(args))[BASELINE]
+    probe = interleaved_medians({BASELINE: action}, 3, 1, device, clock=clock_of(args, device))[BASELINE]
     return min(args.max_repeats, max(args.repeats, math.ceil(args.round_seconds / (len(names) * probe))))
 
 
@@ -210,7 +206,7 @@ def round_robin_ratios(actions: dict, repeats: int, args, device: torch.device) 
     ratios: dict[str, list[float]] = {name: [] for name in actions}
     seconds = []
     for _ in range(args.rounds):
-        medians = interleaved_medians(actions, repeats, 1, device, clock=clock_of(args))
+        medians = interleaved_medians(actions, repeats, 1, device, clock=clock_of(args, device))
         seconds.append(medians[BASELINE])
         for name in actions:
             ratios[name].append(medians[name] / medians[BASELINE])
@@ -506,17 +502,14 @@ def main(argv=None) -> None:
     parser.add_argument("--compile-seq-len", type=int, default=256, help="compiled training sequence (default 256)")
     parser.add_argument("--decode-context", type=int, default=512, help="tokens in the static cache (default 512)")
     parser.add_argument("--decode-steps", type=int, default=16, help="tokens per timed decode burst (default 16)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="time with the wall clock (default) or this process's CPU time (CPU device only): on a "
-                        "shared machine CPU time leaves out the waiting for a core")
+    add_clock_arg(parser)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README's cost paragraph")
     args = parser.parse_args(argv)
     args.changed_timing = {key: getattr(args, key) for key in TIMING_FLAGS
                            if getattr(args, key) != parser.get_default(key)}
     device = setup_device(args)
-    if args.clock == "cpu" and device.type != "cpu":
-        parser.error("--clock cpu times CPU work only; use the wall clock on a GPU")
+    clock_of(args, device)  # refuses --clock cpu on a GPU before anything is built
     Path(args.out).mkdir(parents=True, exist_ok=True)
     results = []
     for hidden, layers in args.sizes:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cost import CONTROL, DEFAULT_VARIANTS, census, parse_size, size_fields
+from bench_cost import CONTROL, DEFAULT_VARIANTS, census, parse_size, round_robin_ratios, size_fields
 
 from resformer_hf.configuration_resformer import VARIANTS
 
@@ -35,10 +35,11 @@ from common import (
     BASELINE,
     RESULTS_DIR,
     Decoder,
+    add_clock_arg,
     add_device_args,
     build_model,
+    clock_of,
     environment_line,
-    interleaved_medians,
     markdown_table,
     rewrite_readme_block,
     setup_device,
@@ -70,14 +71,7 @@ class Generation:
 
 def ratios_over_rounds(actions: dict, args, device: torch.device) -> tuple[dict, float]:
     """Per-round ratios to Llama of each action's median time, and Llama's median seconds."""
-    ratios: dict[str, list[float]] = {name: [] for name in actions}
-    seconds = []
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    for _ in range(args.rounds):
-        medians = interleaved_medians(actions, args.repeats, 1, device, clock=clock)
-        seconds.append(medians[BASELINE])
-        for name in actions:
-            ratios[name].append(medians[name] / medians[BASELINE])
+    ratios, seconds = round_robin_ratios(actions, args.repeats, args, device)
     return ratios, statistics.median(seconds)
 
 
@@ -232,17 +226,14 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timings per round (default 5)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds; ratios are medians over rounds (default 5)")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="time with the wall clock (default) or this process's CPU time (CPU device only): on a "
-                        "shared machine CPU time leaves out the waiting for a core, which is most of the noise")
+    add_clock_arg(parser)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README's decode paragraph")
     args = parser.parse_args(argv)
     args.compile_sizes = args.sizes if args.compile_sizes is None else args.compile_sizes
     args.compile_keys = {h * 1000 + n for h, n in args.compile_sizes}
     device = setup_device(args)
-    if args.clock == "cpu" and device.type != "cpu":
-        parser.error("--clock cpu times CPU work only; use the wall clock on a GPU")
+    clock_of(args, device)  # refuses --clock cpu on a GPU before anything is built
     Path(args.out).mkdir(parents=True, exist_ok=True)
     # Every model's forward runs through the same transformers wrapper code, and dynamo caches graphs per code object:
     # with the default limit of 8 the later models would silently fall back to eager.

@@ -63,6 +63,20 @@ def build_model(variant: str, device: torch.device | str = "cpu", dtype: torch.d
     return model_class(config).to(device=device, dtype=dtype)
 
 
+def add_clock_arg(parser: argparse.ArgumentParser) -> None:
+    """`--clock wall|cpu`, for the benchmarks that time CPU work on a machine they may share."""
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time with the wall clock (default) or this process's CPU time (CPU device only): on a "
+                        "shared machine CPU time leaves out the waiting for a core, which is most of the noise")
+
+
+def clock_of(args: argparse.Namespace, device: torch.device) -> Callable[[], float]:
+    """The timer `--clock` asks for; CPU time cannot see a GPU's work, so it is refused there."""
+    if args.clock == "cpu" and device.type != "cpu":
+        raise SystemExit("--clock cpu times CPU work only; use the wall clock on a GPU")
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work so wall-clock timings are honest."""
     if device.type == "cuda":
