@@ -9,19 +9,26 @@ thing in every table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one study process per store there
+    fcntl = None
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
@@ -460,7 +467,10 @@ class RunStore:
     """Finished runs of a study in one JSON file, written after every run so an interrupted study resumes.
 
     Runs are kept only while the study's settings (`config`) are unchanged: a changed flag starts over, so a table
-    never mixes runs trained differently.
+    never mixes runs trained differently. Several processes may share a store (e.g. one per seed, to use every core):
+    each save merges the runs other processes saved meanwhile under a lock, and a run another process finished is
+    skipped, so none is lost or trained twice on purpose. A store that is replaced (other settings, or `fresh`) is
+    first copied aside, never lost.
     """
 
     def __init__(self, path: Path, config: dict, *, fresh: bool = False):
@@ -468,13 +478,27 @@ class RunStore:
         self.config = portable_config(json.loads(json.dumps(config)))  # as JSON round-trips it: exact comparisons
         self.runs: dict[str, dict] = {}
         self.meta: dict = {}
-        if self.path.is_file() and not fresh:
-            saved = json.loads(self.path.read_text())
-            if portable_config(saved.get("config") or {}) == self.config:
-                self.runs = saved.get("runs", {})
-                self.meta = saved.get("meta", {})
-            else:
-                print(f"{self.path}: saved with other settings, starting over", flush=True)
+        self.retrained: set[str] = set()  #: `fresh`: saved runs this process trains again (not merged back)
+        if not self.path.is_file():
+            return
+        saved = json.loads(self.path.read_text())
+        same_settings = portable_config(saved.get("config") or {}) == self.config
+        if same_settings and not fresh:
+            self.runs = saved.get("runs", {})
+            self.meta = saved.get("meta", {})
+            return
+        if same_settings:
+            self.retrained = set(saved.get("runs", {}))
+        with self._locked():
+            kept = self._free_name(f"{self.path.stem}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+            shutil.copy2(self.path, kept)
+        reason = "--fresh" if same_settings else "saved with other settings"
+        print(f"{self.path}: {reason}, starting over (the saved runs are kept in {kept})", flush=True)
+
+    def _free_name(self, stem: str) -> Path:
+        """`<stem>.json` beside the store, or `<stem>-2.json`, ...: the first name nothing has."""
+        names = (f"{stem}{'' if n == 1 else f'-{n}'}{self.path.suffix}" for n in range(1, 10**6))
+        return next(path for path in map(self.path.with_name, names) if not path.exists())
 
     def __contains__(self, key: str) -> bool:
         return key in self.runs
@@ -486,15 +510,37 @@ class RunStore:
         self.runs[key] = result
         self.save()
 
-    def save(self) -> None:
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive lock on `<store>.lock` (POSIX; elsewhere concurrent studies are not supported)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"config": self.config, "meta": self.meta, "runs": self.runs}
-        staging = self.path.with_name(self.path.name + ".tmp")
-        staging.write_text(json.dumps(payload, indent=1))
-        os.replace(staging, self.path)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as handle:
+            if fcntl is not None:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
+    def _merge_saved(self) -> None:
+        """Add the runs another process saved with the same settings (this process's own runs win)."""
+        if not self.path.is_file():
+            return
+        saved = json.loads(self.path.read_text())
+        if portable_config(saved.get("config") or {}) == self.config:
+            others = {key: run for key, run in saved.get("runs", {}).items() if key not in self.retrained}
+            self.runs = {**others, **self.runs}
+            self.meta = {**saved.get("meta", {}), **self.meta}
+
+    def save(self) -> None:
+        with self._locked():
+            self._merge_saved()
+            payload = {"config": self.config, "meta": self.meta, "runs": self.runs}
+            staging = self.path.with_name(self.path.name + ".tmp")
+            staging.write_text(json.dumps(payload, indent=1))
+            os.replace(staging, self.path)
 
     def run(self, key: str, job: Callable[..., dict], *args) -> dict:
         """The stored result of `key`, or `job(*args)`'s, stored before returning."""
+        with self._locked():
+            self._merge_saved()  # another process may have finished it meanwhile
         if key in self.runs:
             print(f"{key}: done, skipped", flush=True)
         else:

@@ -171,6 +171,37 @@ def test_run_store_resumes_only_with_the_same_settings(tmp_path):
     assert "a" not in RunStore(path, {"lr": 1e-3}, fresh=True)
 
 
+def test_run_store_shared_by_two_processes_loses_no_run(tmp_path):
+    """Two stores on one file, as two study processes (one per seed) hold them: each save merges the other's runs,
+    and a run the other finished is not trained again."""
+    path = tmp_path / "runs.json"
+    first, second = RunStore(path, {"lr": 1e-3}), RunStore(path, {"lr": 1e-3})
+    first.put("llama/seed0", {"loss": 4.0})
+    second.put("llama/seed1", {"loss": 4.1})  # second never saw seed0 in memory
+    first.put("identity/seed0", {"loss": 3.9})
+    assert set(json.loads(path.read_text())["runs"]) == {"llama/seed0", "llama/seed1", "identity/seed0"}
+    trained = []
+    second.run("identity/seed0", lambda: trained.append(1) or {"loss": 0.0})
+    assert trained == [] and second["identity/seed0"] == {"loss": 3.9}
+
+
+def test_run_store_keeps_a_replaced_store_aside(tmp_path):
+    """Other settings or --fresh start over, but the runs saved before are copied aside first, byte for byte; a fresh
+    store does not merge the runs it is retraining back from the file."""
+    path = tmp_path / "runs.json"
+    RunStore(path, {"lr": 1e-3}).put("a", {"loss": 1.5})
+    before = path.read_bytes()
+    fresh = RunStore(path, {"lr": 1e-3}, fresh=True)
+    fresh.put("b", {"loss": 2.0})
+    assert set(json.loads(path.read_text())["runs"]) == {"b"}
+    other = RunStore(path, {"lr": 2e-3})
+    other.put("c", {"loss": 3.0})
+    kept = {json.dumps(sorted(json.loads(k.read_text())["runs"])): k for k in tmp_path.glob("runs.replaced-*.json")}
+    assert sorted(kept) == ['["a"]', '["b"]']  # both replaced stores, even within one second
+    assert kept['["a"]'].read_bytes() == before
+    assert set(json.loads(path.read_text())["runs"]) == {"c"}
+
+
 # ---- each study end to end, tiny -----------------------------------------------------------------------------------
 
 TINY_DATA = ["--sample-chars", "30000", "--vocab-size", "300", "--val-fraction", "0.1", "--val-tokens", "256",
