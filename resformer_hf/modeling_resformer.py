@@ -155,10 +155,10 @@ class ResFormerAttention(LlamaAttention):
             scaling=self.scaling,
             **kwargs,
         )
-        if self.applies_neutreno:  # the correction is laid out [B, T, H_q, D]; vLLM's attention returns [T, H_q·D]
+        if self.applies_neutreno:  # attention returns [B, T, H_q, D] here, [T, H_q·D] in vLLM: reshaped inside
             attn_output = corrected_output_projection(
-                attn_output.reshape(*input_shape, -1, self.head_dim), residual_values, own_values, self.o_proj,
-                weights, self.num_key_value_groups)
+                attn_output, input_shape, residual_values, own_values, self.o_proj, weights,
+                self.num_key_value_groups, self.head_dim)
         else:
             attn_output = attn_output.reshape(*input_shape, -1).contiguous()
             attn_output = self.o_proj(attn_output)

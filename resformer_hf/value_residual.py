@@ -368,19 +368,22 @@ def _first_values(mix: LayerMix, own: torch.Tensor, raw: torch.Tensor):
 
 
 def corrected_output_projection(
-    attn_output: torch.Tensor, residual_values, own_values: torch.Tensor, o_proj: nn.Module, weights, groups: int
+    attn_output: torch.Tensor, input_shape: tuple[int, ...], residual_values, own_values: torch.Tensor,
+    o_proj: nn.Module, weights, groups: int, head_dim: int,
 ) -> torch.Tensor:
-    """NeuTRENO's `o_proj(A_n V_n + λ(V_0 − V_n))` from attention output [B, T, H_q, D].
+    """NeuTRENO's `o_proj(A_n V_n + λ(V_0 − V_n))` from the attention output as the attention function returns it
+    ([B, T, H_q, D]; vLLM's [T, H_q·D]), for hidden states of shape `input_shape + (hidden,)`.
 
     Without gradient (`weights` a `LayerMix`) from λ·V_0 and the raw [B, T, H_kv·D] values: two ops beyond Llama's
-    with one query head per kv head (four with grouped queries); with one, the fused training form.
+    with one query head per kv head (Llama's own reshape before o_proj is the only other); with one, the fused
+    training form.
     """
     if not isinstance(weights, LayerMix):
-        return fused_corrected_output_projection(attn_output, residual_values, own_values, o_proj, weights, groups)
-    batch, length = attn_output.shape[:2]
+        return fused_corrected_output_projection(
+            attn_output.reshape(*input_shape, -1, head_dim), residual_values, own_values, o_proj, weights, groups)
     correction = torch.sub(residual_values, own_values, alpha=weights.first)
     if groups == 1:
-        return o_proj(attn_output.reshape(batch, length, -1) + correction)
-    grouped = attn_output.view(batch, length, -1, groups, attn_output.shape[-1])
-    corrected = grouped + correction.view(batch, length, grouped.shape[2], 1, grouped.shape[-1])
-    return o_proj(corrected.reshape(batch, length, -1))
+        return o_proj(attn_output.reshape(*input_shape, -1) + correction)
+    grouped = attn_output.reshape(*input_shape, -1, groups, head_dim)
+    corrected = grouped + correction.view(*input_shape, grouped.shape[-3], 1, head_dim)
+    return o_proj(corrected.reshape(*input_shape, -1))
