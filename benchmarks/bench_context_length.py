@@ -160,7 +160,7 @@ def write_report(args: argparse.Namespace, seeds: list[int]) -> Path | None:
     lines = [
         "# Does the gain hold as context grows? Pre-training at several context lengths (CPU scale)",
         f"Regenerate: `python benchmarks/{SCRIPT} --threads 1` (resumable; `--report-only` redraws). "
-        f"{meta.get('environment', '')}",
+        + environments(summary),
         f"Model: {meta.get('size', '?')}. Every run: {first['config']['tokens'] / 1e6:.2f}M training tokens in "
         f"{args.tokens_per_step} tokens per AdamW step (batch {args.tokens_per_step} / context), lr "
         f"{first['config']['lr']:g} with 5% warmup and cosine decay to 10%, weight decay "
@@ -191,6 +191,16 @@ def write_report(args: argparse.Namespace, seeds: list[int]) -> Path | None:
     path.write_text("\n".join(lines))
     plot(summary, args.out / f"{NAME}.png")
     return path
+
+
+def environments(summary: dict) -> str:
+    """Where each context's runs were last trained: a resumed study may span days and releases."""
+    lines: dict[str, list[str]] = {}
+    for context, entry in summary.items():
+        lines.setdefault(entry["meta"].get("environment", "Measured somewhere unrecorded."), []).append(str(context))
+    if len(lines) == 1:
+        return next(iter(lines))
+    return " ".join(f"Context {', '.join(contexts)}: {line}" for line, contexts in lines.items())
 
 
 def svformer_trend(summary: dict) -> str:
