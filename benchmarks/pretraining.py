@@ -24,17 +24,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; one study process per store there
-    fcntl = None
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from resformer_hf.text import pack_blocks, split_documents, token_stream, train_tokenizer
 
 from common import REPO_ROOT, build_model, environment_line, setup_device
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one study process per store there
+    fcntl = None
 
 DEFAULT_CORPUS = REPO_ROOT.parent / "shared" / "data" / "corpus"
 
@@ -482,7 +482,7 @@ class RunStore:
         if not self.path.is_file():
             return
         saved = json.loads(self.path.read_text())
-        same_settings = portable_config(saved.get("config") or {}) == self.config
+        same_settings = self._same_settings(saved)
         if same_settings and not fresh:
             self.runs = saved.get("runs", {})
             self.meta = saved.get("meta", {})
@@ -519,12 +519,15 @@ class RunStore:
                 fcntl.flock(handle, fcntl.LOCK_EX)
             yield
 
+    def _same_settings(self, saved: dict) -> bool:
+        return portable_config(saved.get("config") or {}) == self.config
+
     def _merge_saved(self) -> None:
         """Add the runs another process saved with the same settings (this process's own runs win)."""
         if not self.path.is_file():
             return
         saved = json.loads(self.path.read_text())
-        if portable_config(saved.get("config") or {}) == self.config:
+        if self._same_settings(saved):
             others = {key: run for key, run in saved.get("runs", {}).items() if key not in self.retrained}
             self.runs = {**others, **self.runs}
             self.meta = {**saved.get("meta", {}), **self.meta}
