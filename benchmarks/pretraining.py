@@ -235,8 +235,9 @@ def train(model, data: Data, budget: Budget, order: torch.Tensor, device: torch.
           probe: Callable[[object], object] | None = None, lambda_lr_scale: float = 1.0) -> dict:
     """Train `model` on `data.train[order[step]]` for `len(order)` steps and return its validation curve.
 
-    Returns `curve` ([(training tokens, validation loss)], starting at 0 tokens), `train_seconds` (optimizer steps
-    only, evaluation excluded) and, with `probe`, `probes`: `probe(model)` at every evaluation, e.g. the λ.
+    Returns `curve` ([(training tokens, validation loss)], starting at 0 tokens), `train_curve` ([(training tokens,
+    mean and max training loss of the steps since the previous evaluation)], where loss spikes show), `train_seconds`
+    (optimizer steps only, evaluation excluded) and, with `probe`, `probes`: `probe(model)` at every evaluation.
     """
     model.to(device).train()
     groups = parameter_groups(model, budget.weight_decay, budget.lr, lambda_lr_scale)
@@ -250,6 +251,7 @@ def train(model, data: Data, budget: Budget, order: torch.Tensor, device: torch.
     curve = [(0, validation_loss(model, data.val, eval_batch, device))]
     probes = [probe(model)] if probe else []
     recent: list[float] = []
+    train_curve = []
     seconds = 0.0
     for step in range(1, steps + 1):
         start = time.perf_counter()
@@ -264,13 +266,14 @@ def train(model, data: Data, budget: Budget, order: torch.Tensor, device: torch.
         seconds += time.perf_counter() - start
         if step % budget.eval_every == 0 or step == steps:
             curve.append((step * budget.tokens_per_step, validation_loss(model, data.val, eval_batch, device)))
+            train_curve.append((step * budget.tokens_per_step, sum(recent) / len(recent), max(recent)))
             if probe:
                 probes.append(probe(model))
             print(f"  {label:>28} step {step:5d}/{steps}  train {sum(recent) / len(recent):.4f}  "
                   f"val {curve[-1][1]:.4f}  {seconds:.0f}s", flush=True)
             recent.clear()
     model.eval()
-    result = {"curve": curve, "final_val_loss": curve[-1][1], "train_seconds": seconds}
+    result = {"curve": curve, "train_curve": train_curve, "final_val_loss": curve[-1][1], "train_seconds": seconds}
     if probe:
         result["probes"] = probes
     return result

@@ -1,0 +1,136 @@
+"""Is the gain real after tuning? Every arm at its own best learning rate, with seeds.
+
+The context-length study trained every arm at one learning rate (3e-3). Here each arm (Llama, `identity`,
+`learnable_plus`, `svformer`) trains at several learning rates on the context-length study's model and budget
+(context 512, 2048 tokens per AdamW step, 1.2M tokens, the same schedule), three seeds each, with the same initial
+weights and batch order across arms within a seed. The report takes each arm's best learning rate (lowest mean final
+validation loss) and compares it, paired by seed, with Llama at *Llama's* best learning rate — so no arm gains from
+a learning rate that happens to suit it and not the baseline.
+
+    nice -n 19 python benchmarks/bench_lr_sweep.py --threads 1                   # every lr, in turn
+    nice -n 19 python benchmarks/bench_lr_sweep.py --threads 1 --lrs 6e-3        # one lr per process, side by side
+    python benchmarks/bench_lr_sweep.py --report-only                            # table and plot only
+
+Each learning rate keeps its finished runs in its own store (`results/lr_sweep/lr<lr>.json`), written after every
+run, so an interrupted sweep resumes. Runs at 3e-3 that the context-length study already trained with identical
+settings are taken from `results/context_length/ctx512.json` instead of being trained again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+from bench_pretrain import run_one
+
+from common import BASELINE, RESULTS_DIR, add_device_args
+from pretraining import RunStore, add_study_args, command_line, open_study, portable_config, prepare_training
+
+ARMS = [BASELINE, "identity", "learnable_plus", "svformer"]
+LEARNING_RATES = [1e-3, 3e-3, 6e-3]
+NAME = "lr_sweep"
+SCRIPT = "bench_lr_sweep.py"
+#: The context-length study's store at the sweep's context: its runs are the sweep's 3e-3 runs when settings match.
+CONTEXT_STUDY_STORE = RESULTS_DIR / "context_length" / "ctx512.json"
+
+
+def lr_args(args: argparse.Namespace, lr: float) -> argparse.Namespace:
+    """The sweep's flags for one learning rate."""
+    one = copy.copy(args)
+    one.lr = lr
+    one.out = args.out / args.study
+    return one
+
+
+def store_name(lr: float) -> str:
+    return f"lr{lr:g}"
+
+
+def open_lr(args: argparse.Namespace, lr: float) -> tuple[argparse.Namespace, RunStore]:
+    one = lr_args(args, lr)
+    return one, open_study(one, store_name(lr), "kv_heads")
+
+
+def adopt_runs(store: RunStore, source: Path, arms: list[str]) -> list[str]:
+    """Copy the runs another study trained with exactly this store's settings (same config dict)."""
+    if not source.is_file():
+        return []
+    saved = json.loads(source.read_text())
+    if portable_config(saved.get("config") or {}) != store.config:
+        return []
+    adopted = [key for key in saved.get("runs", {}) if key not in store and key.split("/")[0] in arms]
+    for key in adopted:
+        store.runs[key] = dict(saved["runs"][key], adopted_from=f"{source.parent.name}/{source.name}")
+    if adopted:
+        store.meta.setdefault("adopted", {}).update({key: source.name for key in adopted})
+        for field in ("size", "environment", "data", "budget"):
+            store.meta.setdefault(field, saved.get("meta", {}).get(field))
+        store.save()
+    return adopted
+
+
+def train_all(args: argparse.Namespace, argv, seeds: list[int]) -> None:
+    """Train every missing (lr, seed, arm): seed-major, so an interrupted sweep has whole seeds to report."""
+    plan = []
+    for lr in args.lrs:
+        one, store = open_lr(args, lr)
+        if args.reuse:
+            adopted = adopt_runs(store, CONTEXT_STUDY_STORE, args.arms)
+            if adopted:
+                print(f"lr {lr:g}: {len(adopted)} runs taken from {CONTEXT_STUDY_STORE.name} (identical settings)",
+                      flush=True)
+        missing = [(seed, arm) for seed in seeds for arm in args.arms if f"{arm}/seed{seed}" not in store]
+        if missing:
+            plan.append((lr, one, store, missing))
+    total = sum(len(missing) for *_, missing in plan)
+    done, started = 0, time.monotonic()
+    for lr, one, store, missing in plan:
+        device, data = prepare_training(store, one, SCRIPT, argv)
+        store.meta["command"] = command_line(SCRIPT, argv)
+        for seed, arm in missing:
+            store.run(f"{arm}/seed{seed}", run_one, arm, seed, one, data, device)
+            done += 1
+            elapsed = time.monotonic() - started
+            print(f"[{done}/{total} runs] elapsed {elapsed / 60:.0f} min, "
+                  f"ETA {elapsed / done * (total - done) / 60:.0f} min", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_device_args(parser)
+    add_study_args(parser, tokens=1_200_000)
+    parser.set_defaults(seq_len=512, batch_size=4)
+    parser.add_argument("--lrs", type=float, nargs="+", default=LEARNING_RATES, help="peak learning rates to sweep")
+    parser.add_argument("--arms", nargs="+", default=ARMS, help="'llama' and value_residual variants")
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (multi-head attention)")
+    parser.add_argument("--analysis-sequences", type=int, default=8, help="validation blocks for entropy/similarity")
+    parser.add_argument("--no-reuse", dest="reuse", action="store_false",
+                        help="train lr 3e-3 even where the context-length study has identical runs")
+    parser.add_argument("--study", default=NAME, help="name of the results (store folder, report); default lr_sweep")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    args = parser.parse_args(argv)
+    if BASELINE not in args.arms:
+        parser.error(f"--arms must include the baseline {BASELINE!r}: every number is relative to it")
+    if any(not math.isfinite(lr) or lr <= 0 for lr in args.lrs):
+        parser.error(f"--lrs must be positive numbers (got {args.lrs})")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    seeds = list(args.seeds) if args.seeds else list(range(args.seed, args.seed + args.num_seeds))
+    if not args.report_only:
+        train_all(args, argv, seeds)
+    from lr_sweep_report import write_report
+
+    path = write_report(args, seeds)
+    if path:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
