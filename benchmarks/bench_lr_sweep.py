@@ -10,6 +10,11 @@ a learning rate that happens to suit it and not the baseline.
     nice -n 19 python benchmarks/bench_lr_sweep.py --threads 1                   # every lr, in turn
     nice -n 19 python benchmarks/bench_lr_sweep.py --threads 1 --lrs 6e-3        # one lr per process, side by side
     python benchmarks/bench_lr_sweep.py --report-only                            # table and plot only
+    nice -n 19 python benchmarks/bench_lr_sweep.py --threads 1 --second-corpus   # each arm at its best lr on code
+
+`--second-corpus` trains every arm only at its best learning rate from the sweep (`--tuned-from`, default
+`lr_sweep`) on the CPython standard library's sources (`second_corpus.py`), into `results/second_corpus/`, and
+writes `second_corpus.md` in the same format.
 
 Each learning rate keeps its finished runs in its own store (`results/lr_sweep/lr<lr>.json`), written after every
 run, so an interrupted sweep resumes. Runs at 3e-3 that the context-length study already trained with identical
@@ -33,6 +38,7 @@ from pretraining import RunStore, add_study_args, command_line, open_study, port
 ARMS = [BASELINE, "identity", "learnable_plus", "svformer"]
 LEARNING_RATES = [1e-3, 3e-3, 6e-3]
 NAME = "lr_sweep"
+SECOND_CORPUS = "second_corpus"
 SCRIPT = "bench_lr_sweep.py"
 #: The context-length study's store at the sweep's context: its runs are the sweep's 3e-3 runs when settings match.
 CONTEXT_STUDY_STORE = RESULTS_DIR / "context_length" / "ctx512.json"
@@ -73,22 +79,42 @@ def adopt_runs(store: RunStore, source: Path, arms: list[str]) -> list[str]:
     return adopted
 
 
+def assigned_learning_rates(args: argparse.Namespace, seeds: list[int]) -> dict[str, list[float]]:
+    """Per arm, the learning rates it trains at: every `--lrs`, or with `--tuned-from` its best one there."""
+    if not args.tuned_from:
+        return {arm: list(args.lrs) for arm in args.arms}
+    from lr_sweep_report import best_learning_rates, cells
+
+    source = argparse.Namespace(**{**vars(args), "study": args.tuned_from, "corpus_dir": args.tuned_corpus_dir})
+    stores = {lr: open_lr(source, lr)[1] for lr in args.lrs}
+    best = best_learning_rates(cells(stores, args.arms, seeds), seeds)
+    untuned = [arm for arm, lr in best.items() if lr is None]
+    if untuned:
+        raise SystemExit(f"--tuned-from {args.tuned_from}: {', '.join(untuned)} has no learning rate with all seeds "
+                         f"{seeds} finished yet; finish that study first.")
+    return {arm: [lr] for arm, lr in best.items()}
+
+
 def train_all(args: argparse.Namespace, argv, seeds: list[int]) -> None:
     """Train every missing (lr, seed, arm): seed-major, so an interrupted sweep has whole seeds to report."""
     plan = []
+    assigned = assigned_learning_rates(args, seeds)
     for lr in args.lrs:
+        arms = [arm for arm in args.arms if lr in assigned[arm]]
+        if not arms:
+            continue
         one, store = open_lr(args, lr)
         if args.reuse:
             adopted = adopt_runs(store, CONTEXT_STUDY_STORE, args.arms)
             if adopted:
                 print(f"lr {lr:g}: {len(adopted)} runs taken from {CONTEXT_STUDY_STORE.name} (identical settings)",
                       flush=True)
-        missing = [(seed, arm) for seed in seeds for arm in args.arms if f"{arm}/seed{seed}" not in store]
+        missing = [(seed, arm) for seed in seeds for arm in arms if f"{arm}/seed{seed}" not in store]
         if missing:
             plan.append((lr, one, store, missing))
     total = sum(len(missing) for *_, missing in plan)
     done, started = 0, time.monotonic()
-    for lr, one, store, missing in plan:
+    for _lr, one, store, missing in plan:
         device, data = prepare_training(store, one, SCRIPT, argv)
         store.meta["command"] = command_line(SCRIPT, argv)
         for seed, arm in missing:
@@ -111,8 +137,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-reuse", dest="reuse", action="store_false",
                         help="train lr 3e-3 even where the context-length study has identical runs")
     parser.add_argument("--study", default=NAME, help="name of the results (store folder, report); default lr_sweep")
+    parser.add_argument("--tuned-from", default=None, metavar="STUDY",
+                        help="train each arm only at its best learning rate in STUDY's results (e.g. lr_sweep)")
+    parser.add_argument("--second-corpus", action="store_true",
+                        help="the second corpus (CPython's standard library, second_corpus.py) with each arm at its "
+                        "best lr from lr_sweep: --study second_corpus --tuned-from lr_sweep --corpus-dir <built>")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     args = parser.parse_args(argv)
+    args.tuned_corpus_dir = args.corpus_dir  # the corpus the --tuned-from study trained on
+    if args.second_corpus:
+        from second_corpus import build
+
+        args.study, args.tuned_from = SECOND_CORPUS, args.tuned_from or NAME
+        args.corpus_dir = build()
     if BASELINE not in args.arms:
         parser.error(f"--arms must include the baseline {BASELINE!r}: every number is relative to it")
     if any(not math.isfinite(lr) or lr <= 0 for lr in args.lrs):
