@@ -31,15 +31,8 @@ from bench_pretrain import summarize as pretrain_summary
 from scipy import stats
 
 from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
-from pretraining import (
-    RunStore,
-    add_study_args,
-    command_line,
-    open_study,
-    portable_config,
-    prepare_training,
-    seeds_from_args,
-)
+from run_store import RunStore, portable_config
+from study_cli import add_study_args, command_line, open_study, prepare_training, seeds_from_args
 
 ARMS = [BASELINE, "identity", "learnable_plus", "svformer"]
 CONTEXTS = [128, 512, 1024]

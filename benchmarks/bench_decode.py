@@ -13,9 +13,10 @@ The goal (issue 21): every mixing variant <= 1.01 of Llama's time, `dense` <= 1.
 one eager decode step dispatches beyond Llama's (dynamic cache, batch 1), counted exactly with a dispatch mode, so
 independent of machine load; `tests/test_decode_ops.py` asserts their budget.
 
-    python benchmarks/bench_decode.py --threads 1        # CPU defaults; rewrites decode.md and the README block
+    python benchmarks/bench_decode.py --threads 1        # CPU defaults; rewrites decode.md and the docs block
 
-Writes `benchmarks/results/decode.md` and the README's decode paragraph (between `<!-- decode:begin/end -->`).
+Writes `benchmarks/results/decode.md` and the docs' decode paragraph (between `<!-- decode:begin/end -->`,
+in docs/results.md).
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def write_report(results: list[dict], args, device: torch.device) -> str:
     names = [CONTROL] + args.variants
     lines = [
         "# Decode cost of the value residual vs Llama (same size, same run)",
-        f"Regenerate: `{command_line(args)}` (also rewrites the README's decode paragraph). "
+        f"Regenerate: `{command_line(args)}` (also rewrites the docs' decode paragraph). "
         + environment_line(device),
         "",
         f"Ratios of {'CPU' if args.clock == 'cpu' else 'wall-clock'} time to HF `LlamaForCausalLM` of the same size "
@@ -228,7 +229,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds; ratios are medians over rounds (default 5)")
     add_clock_arg(parser)
     parser.add_argument("--out", default=str(RESULTS_DIR))
-    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README's decode paragraph")
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the docs' decode paragraph")
     args = parser.parse_args(argv)
     args.compile_sizes = args.sizes if args.compile_sizes is None else args.compile_sizes
     args.compile_keys = {h * 1000 + n for h, n in args.compile_sizes}
@@ -246,7 +247,7 @@ def main(argv=None) -> None:
             block = write_report(results, args, device)  # after every setting: a cut-short run leaves what it has
             if not args.no_readme:
                 rewrite_readme_block("decode", block)
-    print(f"wrote {Path(args.out) / 'decode.md'}" + ("" if args.no_readme else " and the README's decode paragraph"))
+    print(f"wrote {Path(args.out) / 'decode.md'}" + ("" if args.no_readme else " and the docs' decode paragraph"))
 
 
 if __name__ == "__main__":

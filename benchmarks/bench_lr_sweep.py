@@ -33,7 +33,8 @@ from pathlib import Path
 from bench_pretrain import run_one
 
 from common import BASELINE, RESULTS_DIR, add_device_args
-from pretraining import RunStore, add_study_args, command_line, open_study, portable_config, prepare_training
+from run_store import RunStore, portable_config
+from study_cli import add_study_args, command_line, open_study, prepare_training
 
 ARMS = [BASELINE, "identity", "learnable_plus", "svformer"]
 LEARNING_RATES = [1e-3, 3e-3, 6e-3]

@@ -30,24 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
-from pretraining import (
-    ModelSize,
-    RunStore,
-    add_study_args,
-    batch_order,
-    budget_from_args,
-    fit_log_linear,
-    fit_power_law,
-    non_embedding_parameters,
-    open_study,
-    paired_difference,
-    parameter_saving,
-    prepare_training,
-    seeded_model,
-    seeds_from_args,
-    spread,
-    train,
-)
+from run_store import RunStore
+from study_cli import add_study_args, budget_from_args, open_study, prepare_training, seeds_from_args
+from study_data import batch_order
+from study_statistics import fit_log_linear, fit_power_law, paired_difference, parameter_saving, spread
+from study_training import ModelSize, non_embedding_parameters, seeded_model, train
 
 NAME = "param_efficiency"
 DEFAULT_SIZES = ["32x2", "48x3", "64x4", "96x5"]

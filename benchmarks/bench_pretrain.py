@@ -26,23 +26,11 @@ from scipy import stats
 from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
 
 from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
-from pretraining import (
-    RunStore,
-    add_study_args,
-    batch_order,
-    budget_from_args,
-    interpolate_curve,
-    non_embedding_parameters,
-    open_study,
-    paired_difference,
-    prepare_training,
-    seeded_model,
-    seeds_from_args,
-    size_from_args,
-    spread,
-    tokens_to_reach,
-    train,
-)
+from run_store import RunStore
+from study_cli import add_study_args, budget_from_args, open_study, prepare_training, seeds_from_args, size_from_args
+from study_data import batch_order
+from study_statistics import interpolate_curve, paired_difference, spread, tokens_to_reach
+from study_training import non_embedding_parameters, seeded_model, train
 
 DEFAULT_VARIANTS = [BASELINE, "identity", "learnable_plus", "svformer"]
 NAME = "pretrain"

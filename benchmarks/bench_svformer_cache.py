@@ -15,7 +15,8 @@ Ratios to Llama are measured in the same run. Goal: SVFormer's cache is exactly 
   cache, and a static cache as `cache_implementation="static"` builds it), and then take turns decoding bursts of
   tokens through it (the forward generate() runs per step), the cache rewound after each burst; medians over bursts.
 
-Writes `benchmarks/results/svformer_cache.{md,png}` and the README's SVFormer table (`<!-- svformer-cache:... -->`).
+Writes `benchmarks/results/svformer_cache.{md,png}` and the docs' SVFormer table (`<!-- svformer-cache:... -->`,
+in docs/svformer-memory.md).
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--memory-repeats", type=int, default=1, help="fresh-process generate() runs per point")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "svformer_cache", help="path stem for .md/.png")
-    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README's SVFormer table")
+    parser.add_argument("--no-readme", action="store_true", help="do not rewrite the docs' SVFormer table")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if len(args.new_tokens) == 1:
@@ -301,7 +302,7 @@ def plot(args: argparse.Namespace, medians: dict, path: Path) -> None:
 
 
 def readme_table(args: argparse.Namespace, medians: dict) -> str:
-    """The README's SVFormer table: SVFormer's ratios to Llama at each context."""
+    """The docs' SVFormer table: SVFormer's ratios to Llama at each context."""
     rows = []
     for context in args.contexts:
         sv, base = medians["svformer", context], medians[BASELINE, context]
@@ -335,7 +336,7 @@ def main(argv=None) -> None:
     print(text)
     if not args.no_readme:
         rewrite_readme_block("svformer-cache", readme_table(args, medians))
-        print("rewrote the README's SVFormer table")
+        print("rewrote the docs' SVFormer table")
 
 
 if __name__ == "__main__":

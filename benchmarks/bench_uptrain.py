@@ -34,25 +34,19 @@ from transformers.utils import logging as hf_logging
 from resformer_hf import ResFormerForCausalLM, convert_llama_checkpoint
 
 from common import BASELINE, RESULTS_DIR, add_device_args, markdown_table, pyplot
-from pretraining import (
-    Budget,
-    Data,
-    RunStore,
+from run_store import RunStore
+from study_cli import (
     add_study_args,
-    batch_order,
     budget_from_args,
-    interpolate_curve,
-    lambda_parameters,
     open_study,
-    paired_difference,
     prepare_training,
-    seeded_model,
     seeds_from_args,
     size_from_args,
-    spread,
     study_config,
-    train,
 )
+from study_data import Data, batch_order
+from study_statistics import interpolate_curve, paired_difference, spread
+from study_training import Budget, lambda_parameters, seeded_model, train
 
 NAME = "uptrain"
 

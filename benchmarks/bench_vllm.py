@@ -1,7 +1,7 @@
 """vLLM decode throughput: learnable_plus and SVFormer vs a Llama of the same size, served by vLLM's Transformers
 modeling backend (`model_impl="transformers"`, `trust_remote_code=True`), in the same run.
 
-Needs vLLM (README, "Serving with vLLM"); run it in that virtualenv from the repository root:
+Needs vLLM (docs/serving.md); run it in that virtualenv from the repository root:
 
     python benchmarks/bench_vllm.py
 

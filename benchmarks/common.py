@@ -11,6 +11,7 @@ import argparse
 import datetime as _dt
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -136,18 +137,41 @@ def pyplot():
     return plt
 
 
-def rewrite_readme_block(name: str, text: str, readme: Path = REPO_ROOT / "README.md") -> None:
-    """Replace what README.md holds between `<!-- name:begin -->` and `<!-- name:end -->` with `text`.
+#: A markdown link target that is a relative path (not a URL, an anchor or an absolute path).
+_RELATIVE_LINK = re.compile(r"(\]\()(?![a-zA-Z][a-zA-Z0-9+.-]*:|#|/)([^)\s]+)(\))")
 
-    Lets a benchmark regenerate the README paragraphs that quote its results in the same command that measures them.
+
+def documentation_pages(root: Path = REPO_ROOT) -> list[Path]:
+    """Where result paragraphs may live: README.md and every page in docs/."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def rewrite_readme_block(name: str, text: str, root: Path = REPO_ROOT) -> Path:
+    """Replace what the documentation holds between `<!-- name:begin -->` and `<!-- name:end -->` with `text`.
+
+    Lets a benchmark regenerate the paragraphs that quote its results in the same command that measures them, without
+    knowing which page (README.md or docs/*.md) holds them. `text` links files relative to the repository root
+    (`benchmarks/results/cost.md`); the links are rewritten relative to the page. Returns the page written.
     """
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    content = readme.read_text(encoding="utf-8")
+    holders = [page for page in documentation_pages(root) if begin in page.read_text(encoding="utf-8")]
+    if len(holders) != 1:
+        found = ", ".join(str(page.relative_to(root)) for page in holders) or "none"
+        raise SystemExit(f"exactly one of README.md and docs/*.md must hold the {begin} ... {end} block for the "
+                         f"benchmark to rewrite (found: {found}); add the markers to the page that should show it.")
+    page = holders[0]
+    content = page.read_text(encoding="utf-8")
     if content.count(begin) != 1 or content.count(end) != 1 or content.index(begin) > content.index(end):
-        raise SystemExit(f"{readme} needs exactly one {begin} ... {end} block for the benchmark to rewrite.")
+        raise SystemExit(f"{page} needs exactly one {begin} ... {end} block for the benchmark to rewrite.")
+    text = _RELATIVE_LINK.sub(
+        lambda link: link[1] + Path(os.path.relpath(root / link[2], page.parent)).as_posix() + link[3], text.strip()
+    )
     head, rest = content.split(begin)
     tail = rest.split(end)[1]
-    readme.write_text(f"{head}{begin}\n{text.strip()}\n{end}{tail}", encoding="utf-8")
+    staging = page.with_name(f".{page.name}.tmp-{os.getpid()}")
+    staging.write_text(f"{head}{begin}\n{text}\n{end}{tail}", encoding="utf-8")
+    os.replace(staging, page)  # the page is never left half-written
+    return page
 
 
 class Decoder:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import BASELINE, markdown_table, pyplot
-from pretraining import PairedDifference, Spread, paired_difference, spread, tokens_to_reach
+from study_statistics import PairedDifference, Spread, paired_difference, spread, tokens_to_reach
 
 #: A validation evaluation this far (nats) above the best earlier one is a loss spike: under warmup + cosine decay a
 #: healthy run's held-out loss only falls, and evaluation noise on 32k held-out tokens is ~0.005.

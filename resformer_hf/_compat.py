@@ -20,7 +20,7 @@ from typing import Any
 
 import transformers
 
-#: The releases this code base is tested on (README, "Supported transformers releases"). To support the next minor
+#: The releases this code base is tested on (docs/supported-releases.md). To support the next minor
 #: release: run the suite on it, then raise `NEWEST_TESTED` and setup.cfg's upper bound together.
 OLDEST_SUPPORTED = "5.19"
 NEWEST_TESTED = "5.24"

@@ -23,10 +23,13 @@ import bench_pretrain  # noqa: E402
 import bench_svformer_gqa  # noqa: E402
 import bench_uptrain  # noqa: E402
 
-import pretraining  # noqa: E402
-from pretraining import (  # noqa: E402
-    RunStore,
-    batch_order,
+import common  # noqa: E402
+import study_cli  # noqa: E402
+import study_training  # noqa: E402
+from common import REPO_ROOT  # noqa: E402
+from run_store import RunStore, portable_config, portable_path  # noqa: E402
+from study_data import batch_order  # noqa: E402
+from study_statistics import (  # noqa: E402
     fit_log_linear,
     fit_power_law,
     paired_difference,
@@ -259,13 +262,40 @@ def test_context_length_study_end_to_end_and_resumed(private_tmp, monkeypatch):
 
 
 def test_results_record_repository_relative_paths():
-    assert pretraining.portable_path(pretraining.REPO_ROOT / "benchmarks") == "benchmarks"
-    config = pretraining.portable_config({"corpus_dir": str(pretraining.REPO_ROOT.parent / "shared" / "corpus")})
+    assert portable_path(REPO_ROOT / "benchmarks") == "benchmarks"
+    config = portable_config({"corpus_dir": str(REPO_ROOT.parent / "shared" / "corpus")})
     assert config["corpus_dir"] == "../shared/corpus"
-    assert pretraining.command_line("x.py", ["--corpus-dir", str(pretraining.REPO_ROOT / "README.md")]) == (
+    assert study_cli.command_line("x.py", ["--corpus-dir", str(REPO_ROOT / "README.md")]) == (
         "python benchmarks/x.py --corpus-dir README.md")
     for path in (Path(bench_pretrain.__file__).parent / "results").glob("*.md"):
-        assert str(pretraining.REPO_ROOT) not in path.read_text(), path
+        assert str(REPO_ROOT) not in path.read_text(), path
+
+
+def test_result_blocks_are_found_on_their_page_with_links_made_relative_to_it(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("# front\n<!-- other:begin -->\nx\n<!-- other:end -->\n")
+    page = tmp_path / "docs" / "results.md"
+    page.write_text("# Results\nbefore\n<!-- cost:begin -->\nold\n<!-- cost:end -->\nafter\n")
+    text = "See [cost.md](benchmarks/results/cost.md), [paper](https://arxiv.org/abs/2410.17897), [up](#results).\n"
+    assert common.rewrite_readme_block("cost", text, root=tmp_path) == page
+    assert page.read_text() == (
+        "# Results\nbefore\n<!-- cost:begin -->\nSee [cost.md](../benchmarks/results/cost.md), "
+        "[paper](https://arxiv.org/abs/2410.17897), [up](#results).\n<!-- cost:end -->\nafter\n"
+    )
+    common.rewrite_readme_block("other", text, root=tmp_path)  # on the README, paths stay repository-relative
+    assert "[cost.md](benchmarks/results/cost.md)" in (tmp_path / "README.md").read_text()
+    assert sorted(path.name for path in tmp_path.rglob("*")) == ["README.md", "docs", "results.md"]  # no staging left
+    with pytest.raises(SystemExit, match="found: none"):
+        common.rewrite_readme_block("decode", text, root=tmp_path)
+    (tmp_path / "docs" / "more.md").write_text("<!-- cost:begin -->\n<!-- cost:end -->\n")
+    with pytest.raises(SystemExit, match="found: docs/more.md, docs/results.md"):
+        common.rewrite_readme_block("cost", text, root=tmp_path)
+
+
+def test_every_result_block_of_the_documentation_is_on_exactly_one_page():
+    for name in ("cost", "decode", "svformer-cache"):
+        begin = f"<!-- {name}:begin -->"
+        assert sum(page.read_text().count(begin) for page in common.documentation_pages()) == 1, name
 
 
 def test_param_efficiency_study_end_to_end(private_tmp):
@@ -361,4 +391,4 @@ def test_study_flags_errors():
         bench_svformer_gqa.parse_args(["--arms", "llama:4"])
     with pytest.raises(SystemExit):
         bench_uptrain.parse_args(["--arms", "learnable-preserve"])  # no Llama to compare with
-    assert pretraining.ModelSize(128, 6, 4).intermediate == 352
+    assert study_training.ModelSize(128, 6, 4).intermediate == 352

@@ -75,3 +75,15 @@ def test_only_the_package_entry_imports_the_cli_layer():
 @pytest.mark.parametrize("name", ["modeling_resformer.py", "value_residual.py"])
 def test_the_modeling_files_stay_readable(name):
     assert len((PACKAGE / name).read_text(encoding="utf-8").splitlines()) <= 450
+
+
+#: Modules still over the limit, each with the reason; an entry that fits again fails the test, so it is removed.
+OVER_THE_LIMIT = {"benchmarks/bench_cost.py": "split on its own branch (issue 29)"}
+
+
+def test_no_module_of_the_package_or_the_benchmarks_exceeds_450_lines():
+    repo = PACKAGE.parent
+    sizes = {path.relative_to(repo).as_posix(): len(path.read_text(encoding="utf-8").splitlines())
+             for folder in (PACKAGE, repo / "benchmarks") for path in folder.rglob("*.py")}
+    too_long = {name: lines for name, lines in sizes.items() if lines > 450}
+    assert sorted(too_long) == sorted(OVER_THE_LIMIT), too_long

@@ -1,10 +1,12 @@
-"""README.md never lies: every snippet runs as written, and CI runs exactly the README's commands.
+"""README.md and the docs/ pages never lie: every snippet runs as written, and CI runs exactly the README's commands.
 
-Each ```python block runs on its own in a fresh interpreter, in one scratch folder shared by all blocks in README order
-(so a block may use a folder an earlier one saved, as a reader following along would). The Hub is unreachable in
-tests, so a preamble (not part of the snippet) intercepts `HfApi`'s repo creation and commits and records what would
-have been uploaded. ```bash blocks run their lines with the scratch folder as the current directory. A block preceded
-by `<!-- readme-test: skip REASON -->` is not run; REASON must name what covers it instead (a test file or CI).
+Each ```python block runs on its own in a fresh interpreter, in one scratch folder shared by all blocks: README.md's
+first, then each page of `PAGES` in that order (so a block may use a folder an earlier one saved, as a reader following
+along would: README's "Use it" saves `my-resformer`, docs/conversion.md `tiny-llama` and `tiny-resformer`, ...). The
+Hub is unreachable in tests, so a preamble (not part of the snippet) intercepts `HfApi`'s repo creation and commits
+and records what would have been uploaded. ```bash blocks run their lines with the scratch folder as the current
+directory. A block preceded by `<!-- readme-test: skip REASON -->` is not run; REASON must name what covers it instead
+(a test file or CI).
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+#: The docs pages in the order their snippets run, after README.md's (each may use what earlier pages saved).
+PAGES = ["fine-tuning", "scaling-out", "conversion", "hub", "serving", "svformer-memory", "analysis",
+         "supported-releases", "works-with", "results", "development"]
+DOCUMENTS = [README, *(DOCS / f"{page}.md" for page in PAGES)]
 CI_SCRIPT = REPO / ".ci" / "run"
 
 _BLOCK = re.compile(r"(?:<!-- readme-test: skip (?P<skip>[^>]*?) -->\s*\n)?```(?P<lang>\w+)\n(?P<code>.*?)\n```", re.S)
@@ -49,6 +56,7 @@ del _intercept_hub_uploads
 
 @dataclass
 class Snippet:
+    document: Path
     number: int
     language: str
     code: str
@@ -56,15 +64,25 @@ class Snippet:
     line: int
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.language})"
+        return f"{self.document.relative_to(REPO).as_posix()}:{self.line} ({self.language})"
 
 
 def readme_snippets() -> list[Snippet]:
-    text = README.read_text(encoding="utf-8")
-    return [
-        Snippet(number, match["lang"], match["code"], match["skip"], text.count("\n", 0, match.start()) + 1)
-        for number, match in enumerate(_BLOCK.finditer(text))
-    ]
+    """Every fenced block of README.md and the docs pages, in the order they run."""
+    snippets = []
+    for document in DOCUMENTS:
+        text = document.read_text(encoding="utf-8")
+        snippets += [
+            Snippet(document, len(snippets) + number, match["lang"], match["code"], match["skip"],
+                    text.count("\n", 0, match.start()) + 1)
+            for number, match in enumerate(_BLOCK.finditer(text))
+        ]
+    return snippets
+
+
+def test_every_docs_page_runs_its_snippets():
+    """A page missing from `PAGES` would never run its snippets; a listed page that is gone fails here too."""
+    assert sorted(PAGES) == sorted(path.stem for path in DOCS.glob("*.md"))
 
 
 def _section(title: str) -> str:

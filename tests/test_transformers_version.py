@@ -75,12 +75,27 @@ def test_package_metadata_readme_and_card_state_the_tested_range():
     setup.read(REPO / "setup.cfg")
     requirements = setup["options"]["install_requires"].split()
     assert supported_range() in requirements
-    for text in ((REPO / "README.md").read_text(), (REPO / "model_cards" / "resformer.md").read_text(),
+    for text in ((REPO / "README.md").read_text(), (REPO / "docs" / "supported-releases.md").read_text(),
+                 (REPO / "model_cards" / "resformer.md").read_text(),
                  (Path(resformer_hf.__file__).parent / "model_card_template.md").read_text()):
         assert f"`{supported_range()}`" in text
     for card in (REPO / "model_cards" / "resformer.md", Path(resformer_hf.__file__).parent / "model_card_template.md"):
         text = card.read_text()
         assert "pip install resformer-hf" not in text and "pypi.org/project/resformer-hf" not in text
+
+
+def test_release_table_lists_every_minor_release_of_the_tested_range():
+    """docs/supported-releases.md's table has a row for each release from the oldest supported to the newest tested,
+    so raising `NEWEST_TESTED` without adding its row (or the reverse) fails here."""
+    text = (REPO / "docs" / "supported-releases.md").read_text()
+    assert text.count("<!-- releases:begin -->") == 1 and text.count("<!-- releases:end -->") == 1
+    table = text.split("<!-- releases:begin -->")[1].split("<!-- releases:end -->")[0]
+    rows = [line for line in table.splitlines() if line.startswith("|")][2:]  # below the header and its rule
+    listed = [release.strip() for row in rows for release in row.split("|")[1].split(",")]
+    assert listed[0] == OLDEST_RELEASE, listed
+    assert listed[-1].rpartition(".")[0] == _compat.NEWEST_TESTED, listed
+    oldest, newest = (int(version.split(".")[1]) for version in (OLDEST_SUPPORTED, _compat.NEWEST_TESTED))
+    assert [release.rpartition(".")[0] for release in listed] == [f"5.{minor}" for minor in range(oldest, newest + 1)]
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ from engine_common import (
 )
 
 MICRO_BATCH = 2
-#: The ZeRO-3 config of the README's Trainer recipe ("auto": filled in from `TrainingArguments`).
+#: The ZeRO-3 config of docs/scaling-out.md's Trainer recipe ("auto": filled in from `TrainingArguments`).
 TRAINER_ZERO3_CONFIG = {
     "zero_optimization": {"stage": 3},
     "train_micro_batch_size_per_gpu": "auto",

@@ -80,7 +80,7 @@ def shard_with_torch(model, mp_policy: MixedPrecisionPolicy | None = None):
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if mp_policy is not None and lambda_parameters(model):
-        # The λ in their own group, gathered in float32 (README, "Scaling out").
+        # The λ in their own group, gathered in float32 (docs/scaling-out.md).
         fully_shard(model.model.value_residual, mesh=kwargs["mesh"], mp_policy=MixedPrecisionPolicy())
     for layer in model.model.layers:
         fully_shard(layer, **kwargs)
