@@ -1,6 +1,7 @@
-"""Serving with vLLM's Transformers modeling backend (`model_impl="transformers"`, `trust_remote_code=True`): greedy
-tokens from vLLM equal `generate()`'s, offline (`LLM`) and from the OpenAI-compatible server, with the plugin
-importable and from a folder's remote code alone.
+"""Serving with vLLM's Transformers modeling backend (`trust_remote_code=True`): greedy tokens from vLLM equal
+`generate()`'s, offline (`LLM`) and from the OpenAI-compatible server, with the plugin installed (its vLLM model,
+`resformer_hf.vllm_plugin`, serves: an SVFormer stores its values once) and from a folder's remote code alone
+(`model_impl="transformers"`).
 
 vLLM pins its own transformers, so these tests run in their own virtualenv (`.ci/serving`); elsewhere they skip. Every
 vLLM engine runs in a fresh interpreter (`vllm_serving.py`); the reference tokens come from `generate()` in this
