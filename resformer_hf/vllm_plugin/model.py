@@ -12,6 +12,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.models.transformers import TransformersForCausalLM
 from vllm.platforms import current_platform
 
+from ..configuration_resformer import REUSE
+
 logger = init_logger(__name__)
 
 #: Name of the value store in vLLM's layer registry. vLLM orders KV caches by the one integer in a layer's name, so
@@ -19,14 +21,17 @@ logger = init_logger(__name__)
 VALUE_STORE_NAME = "model.value_store.{index}.attn"
 
 
-def stores_values_once(config) -> bool:
-    """Whether this config is an SVFormer whose values vLLM can store once on this platform."""
-    if getattr(config, "value_residual", None) != "svformer":
+def stores_values_once(config, cache_dtype: str) -> bool:
+    """Whether this config is an SVFormer (every layer n >= 1 attends over layer 0's values) whose values vLLM can
+    store once here: on vLLM's CPU backend, with an unquantized cache (a quantized one scales V per layer)."""
+    roles = getattr(config, "value_residual_layer_roles", None)  # remote-code configs have it too
+    if not roles or roles[0] == REUSE or any(role != REUSE for role in roles[1:]):
         return False
-    if not current_platform.is_cpu():
+    if not current_platform.is_cpu() or cache_dtype != "auto":
         logger.warning_once(
-            "SVFormer: values are stored once only on vLLM's CPU backend so far; on %s every layer keeps its own K "
-            "and V pages (same tokens, a Llama-size cache).", current_platform.device_name)
+            "SVFormer: values are stored once only on vLLM's CPU backend with kv_cache_dtype='auto' so far; here "
+            "(%s, kv_cache_dtype=%r) every layer keeps its own K and V pages (same tokens, a Llama-size cache).",
+            current_platform.device_name, cache_dtype)
         return False
     return True
 
@@ -35,7 +40,7 @@ class ResFormerForCausalLM(TransformersForCausalLM):
     """vLLM's Transformers backend for ResFormer; an SVFormer stores keys per layer and layer 0's values once."""
 
     def _get_attn_cls(self):
-        if stores_values_once(self.text_config):
+        if stores_values_once(self.text_config, self.cache_config.cache_dtype):
             from .attention import SharedValuesAttention
 
             return SharedValuesAttention
@@ -43,7 +48,7 @@ class ResFormerForCausalLM(TransformersForCausalLM):
 
     def _create_attention_instances(self, prefix: str = "") -> None:
         super()._create_attention_instances(prefix)
-        if not stores_values_once(self.text_config):
+        if not stores_values_once(self.text_config, self.cache_config.cache_dtype):
             return
         from .attention import SharedValuesAttention
 
