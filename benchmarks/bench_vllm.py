@@ -1,5 +1,8 @@
-"""vLLM decode throughput: learnable_plus and SVFormer vs a Llama of the same size, served by vLLM's Transformers
-modeling backend (`model_impl="transformers"`, `trust_remote_code=True`), in the same run.
+"""vLLM decode throughput and KV cache: learnable_plus and SVFormer vs a Llama of the same size, in the same run.
+
+The Llamas serve with vLLM's Transformers modeling backend (`model_impl="transformers"`); the ResFormers with this
+plugin's vLLM model (`resformer_hf.vllm_plugin`, picked by vLLM's default `model_impl="auto"`), which is the same
+backend and stores an SVFormer's values once (keys per layer, layer 0's values in one store).
 
 Needs vLLM (docs/serving.md); run it in that virtualenv from the repository root:
 
@@ -10,7 +13,8 @@ per model per round, the first round discarded, the order rotated each round), s
 alike; each ratio is the median over rounds of the model's throughput over the Llama's in the same round. A second
 Llama with other random weights is the noise floor: its ratio says how far apart two identical architectures land.
 Decode throughput = generated tokens / wall time of the `generate()` call (prompts are short, so decode dominates).
-Also records the KV cache vLLM allocates per token for each model (cache bytes given / cache tokens it holds).
+Also records the KV cache vLLM allocates per token for each model (cache bytes given / cache tokens it holds) and
+how many tokens that cache holds.
 
 Writes benchmarks/results/vllm.md. Engines are created under `if __name__ == "__main__"` (vLLM may start processes
 with `spawn`, which re-imports this file), and the top level imports nothing heavy.
@@ -86,6 +90,9 @@ def main(argv=None) -> None:
     from vllm import LLM, SamplingParams
 
     import resformer_hf
+    from resformer_hf.vllm_plugin import register
+
+    register()  # what vLLM's plugin loader does when the plugin is installed; explicit, so a source checkout works
 
     size = dict(hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size, num_hidden_layers=args.layers,
                 num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab_size,
@@ -94,17 +101,19 @@ def main(argv=None) -> None:
     kv_bytes = args.kv_cache_mib * 2**20
     with tempfile.TemporaryDirectory() as scratch:
         folders = build_folders(Path(scratch), size)
-        engines, load_seconds, per_token = {}, {}, {}
+        engines, load_seconds, per_token, cache_tokens = {}, {}, {}, {}
         for name in MODELS:
             start = time.perf_counter()
             engines[name] = LLM(
-                model=str(folders[name]), model_impl="transformers", trust_remote_code=True, dtype="float32",
+                model=str(folders[name]), model_impl="transformers" if name.startswith("llama") else "auto",
+                trust_remote_code=True, dtype="float32",
                 enforce_eager=True, max_model_len=args.prompt_tokens + args.new_tokens + 16,
                 kv_cache_memory_bytes=kv_bytes, seed=0, distributed_executor_backend="uni",
             )
             load_seconds[name] = time.perf_counter() - start
             cache = engines[name].llm_engine.vllm_config.cache_config
-            per_token[name] = kv_bytes / (cache.num_gpu_blocks * cache.block_size)
+            cache_tokens[name] = cache.num_gpu_blocks * cache.block_size
+            per_token[name] = kv_bytes / cache_tokens[name]
             print(f"loaded {name} in {load_seconds[name]:.1f} s; KV bytes/token {per_token[name]:.0f}", flush=True)
 
         generator = torch.Generator().manual_seed(0)
@@ -137,9 +146,10 @@ def main(argv=None) -> None:
             ratios = [value / llama for value, llama in zip(values, base)]  # paired: the same round
             rows.append((batch, name, f"{statistics.median(values):.1f}", f"{min(values):.1f}–{max(values):.1f}",
                          f"{statistics.median(ratios):.3f}", f"{min(ratios):.2f}–{max(ratios):.2f}",
-                         f"{per_token[name]:.0f}", f"{per_token[name] / per_token['llama']:.3f}"))
+                         f"{per_token[name]:.0f}", f"{per_token[name] / per_token['llama']:.4f}",
+                         f"{cache_tokens[name]}", f"{cache_tokens[name] / cache_tokens['llama']:.3f}"))
     header = ("batch", "model", "decode tok/s (median)", "range", "/ Llama (median of rounds)", "ratio range",
-              "KV bytes/token", "KV / Llama")
+              "KV bytes/token", "KV / Llama", "cache tokens", "tokens / Llama")
     table = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     table += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     command = "python benchmarks/bench_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -149,8 +159,10 @@ def main(argv=None) -> None:
         "",
         f"Model size: hidden {args.hidden_size}, {args.layers} layers, {args.heads} query heads, {args.kv_heads} kv "
         f"heads, head dim {head_dim}, vocab {size['vocab_size']}, float32. Served by vLLM's Transformers modeling "
-        "backend (`model_impl=\"transformers\"`, `trust_remote_code=True`, `enforce_eager=True`), one engine per "
-        "model, all loaded at once, each in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor). Each "
+        "backend: the Llamas with `model_impl=\"transformers\"`, the ResFormers with this plugin's vLLM model "
+        "(`model_impl=\"auto\"`; an SVFormer stores keys per layer and layer 0's values once), all with "
+        "`trust_remote_code=True`, `enforce_eager=True`; one engine per model, all loaded at once, each in this "
+        "process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor). Each "
         f"round: one greedy `generate()` per model of a batch of {args.prompt_tokens}-token prompts, "
         f"{args.new_tokens} new tokens each (`ignore_eos`); {args.rounds} rounds after one discarded, the order "
         "rotated each round; the ratio is the median over rounds of the model's tok/s over the Llama's in the same "
@@ -159,11 +171,12 @@ def main(argv=None) -> None:
         "",
         "\n".join(table),
         "",
-        f"KV bytes/token: the KV cache vLLM was given ({args.kv_cache_mib} MiB) over the tokens it holds in it. "
-        f"SVFormer in vLLM: {per_token['svformer'] / per_token['llama']:.4f} of Llama's bytes per token; in "
-        f"transformers' cache it keeps (L+1)/(2L) = {svformer_ideal:.4f}"
-        + (" (vLLM allocates K and V for every layer, so the saving does not carry over)."
-           if per_token["svformer"] == per_token["llama"] else "."),
+        f"KV bytes/token: the KV cache vLLM was given ({args.kv_cache_mib} MiB) over the tokens it holds in it "
+        "(cache tokens). "
+        f"SVFormer in vLLM: {per_token['svformer'] / per_token['llama']:.4f} of Llama's bytes per token, "
+        f"{cache_tokens['svformer'] / cache_tokens['llama']:.3f}× the tokens in the same memory; the ideal, "
+        f"what transformers' cache keeps, is (L+1)/(2L) = {svformer_ideal:.4f} (2L/(L+1) = {1 / svformer_ideal:.3f}×"
+        " the tokens). Exact: they do not depend on load.",
         "",
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or 'CPU'} (vLLM CPU backend, "
         f"{torch.get_num_threads()} torch threads in the driver, shared machine), vllm {vllm.__version__}, torch "

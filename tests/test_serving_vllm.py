@@ -1,6 +1,7 @@
-"""Serving with vLLM's Transformers modeling backend (`model_impl="transformers"`, `trust_remote_code=True`): greedy
-tokens from vLLM equal `generate()`'s, offline (`LLM`) and from the OpenAI-compatible server, with the plugin
-importable and from a folder's remote code alone.
+"""Serving with vLLM's Transformers modeling backend (`trust_remote_code=True`): greedy tokens from vLLM equal
+`generate()`'s, offline (`LLM`) and from the OpenAI-compatible server, with the plugin installed (its vLLM model,
+`resformer_hf.vllm_plugin`, serves: an SVFormer stores its values once) and from a folder's remote code alone
+(`model_impl="transformers"`).
 
 vLLM pins its own transformers, so these tests run in their own virtualenv (`.ci/serving`); elsewhere they skip. Every
 vLLM engine runs in a fresh interpreter (`vllm_serving.py`); the reference tokens come from `generate()` in this
@@ -127,31 +128,48 @@ def test_references_depend_on_lambda(served):
 
 
 def test_offline_with_plugin(served, tmp_path):
-    """Llama (control), learnable_plus, SVFormer and a converted Llama (SVFormer, paper λ) serve with `generate()`'s
-    greedy tokens, with the plugin imported in the engine process (its classes serve); vLLM allocates a cache for K
-    and V in every layer (SVFormer's saving does not carry over: the same bytes per token as the Llama)."""
+    """With the plugin installed, vLLM's default `model_impl="auto"` serves ResFormer folders with the plugin's
+    model (`resformer_hf.vllm_plugin`): learnable_plus, SVFormer and a converted Llama (SVFormer, paper λ) give
+    `generate()`'s greedy tokens, and an SVFormer keeps (L+1)/(2L) of the Llama's KV cache bytes per token (keys
+    per layer, layer 0's values once), so the same cache memory holds 2L/(L+1) times the tokens. The Llama (control)
+    serves with the Transformers backend, as in the remote-code tests."""
     names = ("llama", *SERVED, "converted_svformer")
-    results = run_engine(engine_job(served, names, import_plugin=True), tmp_path, hide_plugin=False)
+    job = engine_job(served, names, import_plugin=True)
+    for run in job["runs"]:
+        run["engine_args"] = dict(model_impl="transformers" if run["name"] == "llama" else "auto")
+    results = run_engine(job, tmp_path, hide_plugin=False)
     assert_same_tokens(served, results, names)
+    layers = TINY["num_hidden_layers"]
     for name in names:
         probe = results[name]["probe"]
         assert probe["plugin_importable"], probe
-        if name != "llama":  # the engine's config arrives as the plugin's class, so the plugin's model serves
+        if name != "llama":  # the plugin's vLLM model, running the plugin's modeling code
+            assert probe["served_class"] == "resformer_hf.vllm_plugin.model.ResFormerForCausalLM", probe
             assert probe["model_class"] == "resformer_hf.modeling_resformer.ResFormerModel", probe
-        assert len(probe["attention_layers"]) == TINY["num_hidden_layers"]
+        assert len(probe["attention_layers"]) == layers
         assert all(layer["num_kv_heads"] == TINY["num_key_value_heads"] and layer["head_size"] == 32
                    for layer in probe["attention_layers"]), probe
-    # SVFormer layers n >= 1 have no v_proj in vLLM either: they attend over layer 0's values
-    assert [layer["has_v_proj"] for layer in results["svformer"]["probe"]["attention_layers"]] == [True, False, False,
-                                                                                                  False]
-    per_token = {name: kv_bytes_per_token(results[name]) for name in names}
-    full = TINY["num_hidden_layers"] * 2 * TINY["num_key_value_heads"] * 32 * 4  # K and V, every layer, float32
-    assert per_token == {name: full for name in names}, per_token
-
-
-def kv_bytes_per_token(result: dict) -> float:
-    """Bytes of KV cache vLLM allocates per token: the cache size it was given over the tokens it holds."""
-    return result["kv_cache_bytes"] / (result["num_blocks"] * result["block_size"])
+    # SVFormer layers n >= 1 have no v_proj in vLLM either: they attend over layer 0's values, kept in one store
+    for name in ("svformer", "converted_svformer"):
+        attention = results[name]["probe"]["attention_layers"]
+        assert [layer["has_v_proj"] for layer in attention] == [True] + [False] * (layers - 1)
+        assert {layer["attention_class"] for layer in attention} == {"SharedValuesAttention"}
+        assert len({layer["value_store"] for layer in attention}) == 1
+    assert {layer["attention_class"] for layer in results["learnable_plus"]["probe"]["attention_layers"]} == {
+        "Attention"}
+    # Cache bytes per token: K and V in every layer (float32) for the Llama and learnable_plus; for an SVFormer the
+    # keys of every layer and layer 0's values once, (L+1)/(2L) of that (0.625 at L = 4). vLLM fills the memory it is
+    # given with whole blocks, so the cache holds exactly floor(bytes / (block_size · bytes per token)) blocks.
+    full = layers * 2 * TINY["num_key_value_heads"] * 32 * 4
+    svformer = (layers + 1) * TINY["num_key_value_heads"] * 32 * 4
+    assert svformer / full == (layers + 1) / (2 * layers)
+    per_token = dict(llama=full, learnable_plus=full, svformer=svformer, converted_svformer=svformer)
+    blocks = {name: results[name]["num_blocks"] for name in names}
+    expected = {name: results[name]["kv_cache_bytes"] // (results[name]["block_size"] * per_token[name])
+                for name in names}
+    assert blocks == expected, (blocks, expected)
+    tokens = {name: blocks[name] * results[name]["block_size"] for name in names}
+    assert 2 * layers / (layers + 1) * 0.99 < tokens["svformer"] / tokens["llama"] <= 2 * layers / (layers + 1)
 
 
 def test_offline_from_remote_code_alone(served, tmp_path):

@@ -116,12 +116,14 @@ def probe_model(model) -> dict:
     base = model.model
     layers = [layer.self_attn for layer in base.layers]
     return dict(
+        served_class=f"{type(model).__module__}.{type(model).__name__}",
         model_class=f"{type(base).__module__}.{type(base).__name__}",
         plugin_importable=importlib.util.find_spec("resformer_hf") is not None,
         plugin_imported="resformer_hf" in sys.modules,
         attention_layers=[
             dict(num_kv_heads=attn.attn.num_kv_heads, head_size=attn.attn.head_size, has_v_proj=hasattr(attn, "v_proj")
-                 and attn.v_proj is not None)
+                 and attn.v_proj is not None, attention_class=type(attn.attn).__name__,
+                 value_store=getattr(attn.attn, "value_store_name", None))
             for attn in layers
         ],
     )
@@ -129,8 +131,8 @@ def probe_model(model) -> dict:
 
 def main(job_path: str, out_path: str) -> None:
     """Job: {"import_plugin": bool, "in_process"?: bool (default true), "runs": [{"name", "folder", "prompts":
-    [[token ids]], "max_tokens", "repeats"?}]}. For each run: one engine, greedy generation of every prompt in one
-    batch (`repeats` times), the KV cache it allocated and the probe. Writes {"name": result} as JSON."""
+    [[token ids]], "max_tokens", "repeats"?, "engine_args"?}]}. For each run: one engine, greedy generation of every
+    prompt in one batch (`repeats` times), the KV cache it allocated and the probe. Writes {"name": result} as JSON."""
     job = json.loads(Path(job_path).read_text())
     if job.get("in_process", True):
         # The engine core and the worker in this process (~10 s per engine instead of ~50 s here): the same model
@@ -146,7 +148,8 @@ def main(job_path: str, out_path: str) -> None:
     for run in job["runs"]:
         start = time.perf_counter()
         in_process = dict(distributed_executor_backend="uni") if job.get("in_process", True) else {}
-        llm = LLM(model=run["folder"], **{**ENGINE_ARGS, **in_process, **job.get("engine_args", {})})
+        llm = LLM(model=run["folder"], **{**ENGINE_ARGS, **in_process, **job.get("engine_args", {}),
+                                          **run.get("engine_args", {})})
         loaded = time.perf_counter()
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
         prompts = [{"prompt_token_ids": ids} for ids in run["prompts"]]

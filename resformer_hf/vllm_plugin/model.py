@@ -1,0 +1,72 @@
+"""The model vLLM serves for `architectures: ["ResFormerForCausalLM"]` once this plugin is installed.
+
+It is vLLM's Transformers modeling backend (`TransformersForCausalLM`: the plugin's own modeling code, vLLM's paged
+attention, weight loading and sampling), so every variant serves exactly as with `model_impl="transformers"`. For an
+SVFormer on vLLM's CPU backend it swaps the attention layers for `SharedValuesAttention` and adds the value store:
+keys per layer, values once (see `attention.py`).
+"""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+from vllm.model_executor.models.transformers import TransformersForCausalLM
+from vllm.platforms import current_platform
+
+from ..configuration_resformer import REUSE
+
+logger = init_logger(__name__)
+
+#: Name of the value store in vLLM's layer registry. vLLM orders KV caches by the one integer in a layer's name, so
+#: the store is numbered after the last decoder layer.
+VALUE_STORE_NAME = "model.value_store.{index}.attn"
+
+
+def stores_values_once(config, cache_dtype: str) -> bool:
+    """Whether this config is an SVFormer (every layer n >= 1 attends over layer 0's values) whose values vLLM can
+    store once here: on vLLM's CPU backend, with an unquantized cache (a quantized one scales V per layer)."""
+    roles = getattr(config, "value_residual_layer_roles", None)  # remote-code configs have it too
+    if not roles or roles[0] == REUSE or any(role != REUSE for role in roles[1:]):
+        return False
+    if not current_platform.is_cpu() or cache_dtype != "auto":
+        logger.warning_once(
+            "SVFormer: values are stored once only on vLLM's CPU backend with kv_cache_dtype='auto' so far; here "
+            "(%s, kv_cache_dtype=%r) every layer keeps its own K and V pages (same tokens, a Llama-size cache).",
+            current_platform.device_name, cache_dtype)
+        return False
+    return True
+
+
+class ResFormerForCausalLM(TransformersForCausalLM):
+    """vLLM's Transformers backend for ResFormer; an SVFormer stores keys per layer and layer 0's values once."""
+
+    def _get_attn_cls(self):
+        if stores_values_once(self.text_config, self.cache_config.cache_dtype):
+            from .attention import SharedValuesAttention
+
+            return SharedValuesAttention
+        return super()._get_attn_cls()
+
+    def _create_attention_instances(self, prefix: str = "") -> None:
+        super()._create_attention_instances(prefix)
+        if not stores_values_once(self.text_config, self.cache_config.cache_dtype):
+            return
+        from .attention import SharedValuesAttention
+
+        layers = [module for module in self.model.modules() if isinstance(module, SharedValuesAttention)]
+        if len(layers) != self.text_config.num_hidden_layers:
+            raise RuntimeError(
+                f"SVFormer in vLLM: expected {self.text_config.num_hidden_layers} attention layers, found "
+                f"{len(layers)} (pipeline parallelism is not supported with values stored once)")
+        first = layers[0]
+        name = VALUE_STORE_NAME.format(index=self.text_config.num_hidden_layers)
+        if prefix:
+            name = f"{prefix}.{name}"
+        # Same heads, head size and cache dtype as every layer, so all L + 1 pages share one spec and one block table
+        self.value_store = SharedValuesAttention(
+            num_heads=first.num_heads, head_size=first.head_size, scale=first.impl.scale,
+            num_kv_heads=first.num_kv_heads, cache_config=self.cache_config, quant_config=self.quant_config,
+            prefix=name,
+        )
+        for layer in layers:
+            layer.value_store_name = name
+
