@@ -1,0 +1,68 @@
+"""Continuous batching (`model.generate_batch`, transformers' paged-attention engine) gives `generate()`'s greedy
+tokens for every variant, λ moved off their initial values, prompts of mixed lengths in one batch; a Llama of the
+same shape is the control. Runs on the oldest supported transformers too (README, "Run the tests").
+
+The paged cache is sized explicitly: on CPU, 5.19 otherwise sizes it from the machine's memory (and was killed for
+memory). On 5.19-5.23 the engine hands its paged cache to the attention function under the name that is the layer's
+cache argument on 5.24 (`_compat.update_cache` hands it back); the 5.19 run of this file is what catches that.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCausalLM
+
+from resformer_hf.configuration_resformer import VARIANTS
+
+from helpers import llama_config_like, randomised_model, tiny_config
+
+PROMPT_LENGTHS = (3, 17, 41, 9, 26)
+NEW_TOKENS = 6
+#: 16 blocks of the default block size: thousands of tokens for these prompts, a few MB for the tiny model.
+CB_CONFIG = dict(num_blocks=16, max_batch_tokens=64)
+
+
+def _prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 128, (length,), generator=generator).tolist() for length in PROMPT_LENGTHS]
+
+
+def _greedy() -> GenerationConfig:
+    # No EOS: every request generates exactly NEW_TOKENS tokens, so no comparison is cut short.
+    return GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def generate_one_by_one(model, prompts: list[list[int]]) -> list[list[int]]:
+    """The reference: `generate()` on each prompt alone (no padding)."""
+    return [model.generate(torch.tensor([p]), generation_config=_greedy())[0, len(p):].tolist() for p in prompts]
+
+
+def generate_continuously(model, prompts: list[list[int]]) -> list[list[int]]:
+    """All prompts in one `generate_batch` call, in prompt order."""
+    outputs = model.generate_batch(prompts, generation_config=_greedy(),
+                                   continuous_batching_config=ContinuousBatchingConfig(**CB_CONFIG))
+    by_index = {int(request_id.rsplit("_", 1)[1]): output for request_id, output in outputs.items()}
+    assert sorted(by_index) == list(range(len(prompts))), list(outputs)
+    return [list(by_index[index].generated_tokens) for index in range(len(prompts))]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_generate_batch_gives_generates_greedy_tokens(variant):
+    torch.manual_seed(0)
+    model = randomised_model(variant)
+    prompts = _prompts()
+    expected = generate_one_by_one(model, prompts)
+    assert generate_continuously(model, prompts) == expected
+
+
+def test_llama_control_and_the_variants_differ():
+    """The Llama control batches the same way, and its tokens are not the ResFormer's: the comparison above would
+    see a continuous-batching path that dropped the value residual."""
+    torch.manual_seed(0)
+    resformer = randomised_model("svformer")
+    llama = LlamaForCausalLM(llama_config_like(tiny_config("svformer"))).eval()
+    prompts = _prompts()
+    expected = generate_one_by_one(llama, prompts)
+    assert generate_continuously(llama, prompts) == expected
+    assert expected != generate_one_by_one(resformer, prompts)
