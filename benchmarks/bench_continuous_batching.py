@@ -4,9 +4,9 @@ same-size HF `LlamaForCausalLM`, and greedy equality of `generate_batch` with `g
     python benchmarks/bench_continuous_batching.py    # CPU, a few minutes; writes results/continuous_batching.md
 
 - Paged cache (the engine behind `generate_batch` and `transformers serve --continuous-batching`): the
-  `PagedAttentionCache` the engine builds for the model's config, with the engine's own constructor call, holding
-  `--num-blocks` blocks; bytes per cached token = its data bytes / the tokens its blocks hold (trash sectors
-  excluded).
+  `PagedAttentionCache` the engine builds for the model's config, with the engine's own constructor call, for
+  `--num-blocks` Llama-sized blocks; bytes per cached token = its data bytes / the tokens its blocks hold (trash
+  sectors excluded). With the plugin's allocator (installed by `import resformer_hf`) and with transformers' stock one.
 - `generate()`'s cache: `resformer_hf.cache_nbytes` of the cache greedy `generate()` returns, over its tokens.
 - Tokens in one budget: `--budget-mib` / bytes per cached token.
 - Greedy equality: `generate_batch` on prompts of mixed lengths vs `generate()` one prompt at a time.
@@ -15,13 +15,16 @@ same-size HF `LlamaForCausalLM`, and greedy equality of `generate_batch` with `g
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching import cache as paged_cache_module
+from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 
 import resformer_hf
+from resformer_hf.paged_cache import FirstLayerValuesAllocator
 
 from common import BASELINE, RESULTS_DIR, add_device_args, build_model, environment_line, markdown_table, setup_device
 
@@ -29,10 +32,24 @@ VARIANTS = (BASELINE, "svformer")
 PROMPT_LENGTHS = (5, 23, 61, 12)
 
 
+@contextlib.contextmanager
+def stock_allocator():
+    """transformers' own full-attention allocator in the engine's registry (what the plugin replaces)."""
+    saved = dict(paged_cache_module.ATTN_TYPE_TO_ALLOCATOR)
+    for key, allocator in saved.items():
+        if allocator is FirstLayerValuesAllocator:
+            paged_cache_module.ATTN_TYPE_TO_ALLOCATOR[key] = FullAttentionCacheAllocator
+    try:
+        yield
+    finally:
+        paged_cache_module.ATTN_TYPE_TO_ALLOCATOR.update(saved)
+
+
 def paged_bytes_per_token(config, num_blocks: int, dtype: torch.dtype, device: torch.device) -> float:
     """Bytes per cached token of the paged cache transformers' continuous batching builds for `config`."""
     cb_config = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=64, max_memory_percent=0.5)
-    cache = PagedAttentionCache(config, cb_config, device, DistributedHelper(None, None), dtype=dtype)
+    cache = paged_cache_module.PagedAttentionCache(config, cb_config, device, DistributedHelper(None, None),
+                                                   dtype=dtype)
     data_bytes = cache.num_sectors * cache.bytes_per_sector
     tokens = sum(allocator.num_blocks * allocator.tokens_per_page for allocator in cache.cache_allocators.values())
     return data_bytes / tokens
@@ -79,15 +96,19 @@ def main() -> None:
         torch.manual_seed(args.seed)
         model = build_model(variant, device, **size).eval()
         paged = paged_bytes_per_token(model.config, args.num_blocks, torch.float32, device)
+        with stock_allocator():
+            stock = paged_bytes_per_token(model.config, args.num_blocks, torch.float32, device)
         dense = generate_bytes_per_token(model, prompts[2], args.new_tokens)
-        measured[variant] = (paged, dense)
-        rows.append([variant, f"{dense:,.0f}", f"{paged:,.0f}", f"{budget // dense:,.0f}", f"{budget // paged:,.0f}",
+        measured[variant] = (paged, dense, stock)
+        rows.append([variant, f"{dense:,.0f}", f"{paged:,.0f}", f"{stock:,.0f}", f"{budget // dense:,.0f}",
+                     f"{budget // paged:,.0f}", f"{budget // stock:,.0f}",
                      greedy_equal(model, prompts, args.new_tokens)])
-    (llama_paged, llama_dense), (sv_paged, sv_dense) = measured[BASELINE], measured["svformer"]
+    (llama_paged, llama_dense, llama_stock), (sv_paged, sv_dense, sv_stock) = measured[BASELINE], measured["svformer"]
     target = (args.layers + 1) / (2 * args.layers)
-    header = ["model", "KV B/token, generate()", "KV B/token, paged (continuous batching)",
-              f"tokens in {args.budget_mib:g} MiB, generate()", f"tokens in {args.budget_mib:g} MiB, paged",
-              "generate_batch == generate() (greedy)"]
+    mib = f"{args.budget_mib:g} MiB"
+    header = ["model", "KV B/token: generate()", "paged, with the plugin", "paged, stock allocator",
+              f"tokens in {mib}: generate()", "paged, with the plugin", "paged, stock allocator",
+              "generate_batch == generate() (greedy, with the plugin)"]
     text = "\n".join([
         "# SVFormer in continuous batching",
         "",
@@ -97,13 +118,14 @@ def main() -> None:
         markdown_table(header, rows),
         "",
         f"SVFormer / Llama bytes per cached token: generate() {sv_dense / llama_dense:.4f} "
-        f"((L+1)/(2L) = {target:.4f}); paged cache {sv_paged / llama_paged:.4f}. Tokens in one budget, SVFormer / "
-        f"Llama: generate() {llama_dense / sv_dense:.3f}x (2L/(L+1) = {1 / target:.3f}x), paged cache "
-        f"{llama_paged / sv_paged:.3f}x.",
+        f"((L+1)/(2L) = {target:.4f}); paged cache with the plugin {sv_paged / llama_paged:.4f}, with transformers' "
+        f"stock allocator {sv_stock / llama_stock:.4f}. Tokens in one budget, SVFormer / Llama: generate() "
+        f"{llama_dense / sv_dense:.3f}x (2L/(L+1) = {1 / target:.3f}x), paged cache with the plugin "
+        f"{llama_paged / sv_paged:.3f}x, stock {llama_stock / sv_stock:.3f}x.",
         "",
-        "The paged cache gives every layer its own key and value pages (`FullAttentionCacheAllocator`), whatever the "
-        "model computes, so SVFormer's layers n >= 1 store copies of layer 0's values there: its saving is in "
-        "`generate()`'s cache only (see README, \"Serving with transformers serve\").",
+        "transformers' stock allocator (`FullAttentionCacheAllocator`) gives every layer its own key and value pages, "
+        "so SVFormer's layers n >= 1 would store copies of layer 0's values; `import resformer_hf` replaces it with "
+        "`resformer_hf.paged_cache.FirstLayerValuesAllocator` (values once for SVFormer, the stock layout otherwise).",
         "",
     ])
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

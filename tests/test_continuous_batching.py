@@ -53,10 +53,21 @@ def generate_continuously(model, prompts: list[list[int]], **cb_config) -> list[
     return [list(by_index[index].generated_tokens) for index in range(len(prompts))]
 
 
+def sharpened(model):
+    """`model` with its query and key projections scaled ×4 (scores ×16): a tiny random model's attention is nearly
+    uniform, so greedy tokens barely depend on which keys and values a cache returns; sharpened, they do (a paged
+    cache that hands a layer another layer's keys changes the tokens)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    return model
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_generate_batch_gives_generates_greedy_tokens(variant):
     torch.manual_seed(0)
-    model = randomised_model(variant)
+    model = sharpened(randomised_model(variant))
     prompts = _prompts()
     expected = generate_one_by_one(model, prompts)
     assert generate_continuously(model, prompts) == expected
@@ -66,8 +77,8 @@ def test_llama_control_and_the_variants_differ():
     """The Llama control batches the same way, and its tokens are not the ResFormer's: the comparison above would
     see a continuous-batching path that dropped the value residual."""
     torch.manual_seed(0)
-    resformer = randomised_model("svformer")
-    llama = LlamaForCausalLM(llama_config_like(tiny_config("svformer"))).eval()
+    resformer = sharpened(randomised_model("svformer"))
+    llama = sharpened(LlamaForCausalLM(llama_config_like(tiny_config("svformer"))).eval())
     prompts = _prompts()
     expected = generate_one_by_one(llama, prompts)
     assert generate_continuously(llama, prompts) == expected
@@ -76,7 +87,7 @@ def test_llama_control_and_the_variants_differ():
 
 def test_svformer_with_small_pages_spanning_many_blocks():
     torch.manual_seed(0)
-    model = randomised_model("svformer")
+    model = sharpened(randomised_model("svformer"))
     prompts = _prompts()
     assert generate_continuously(model, prompts, page_size=8) == generate_one_by_one(model, prompts)
 
