@@ -3,6 +3,9 @@ before any server starts; the server itself is tested in test_serving_hf.py."""
 
 from __future__ import annotations
 
+import configparser
+from pathlib import Path
+
 import pytest
 from transformers.utils.import_utils import is_serve_available
 
@@ -42,3 +45,10 @@ def test_bad_server_option_is_one_line_and_status_2(tmp_path, capsys, flags, wor
     (tmp_path / "config.json").write_text("{}")
     status, err = _error(capsys, [str(tmp_path), *flags])
     assert status == 2 and len(err) == 1 and err[0].startswith("resformer-serve: error: ") and words in err[0], err
+
+
+def test_console_script_and_extra_are_declared():
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    assert "resformer-serve = resformer_hf.cli.serve:main" in setup["options.entry_points"]["console_scripts"]
+    assert "transformers[serving]" in setup["options.extras_require"]["serve"]
