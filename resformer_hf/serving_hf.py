@@ -1,8 +1,8 @@
 """Serving a ResFormer with Hugging Face's own OpenAI-compatible server (`transformers serve`).
 
 `transformers serve` loads a model with `getattr(transformers, config.architectures[0]).from_pretrained(...)`
-(`transformers/cli/serving/model_manager.py` on 5.24, `transformers/commands/serving.py` on 5.19), so a class that
-is not an attribute of the `transformers` module cannot be served, with or without `--trust-remote-code`.
+(`transformers/cli/serving/model_manager.py`, the same on 5.19 and 5.24), so a class that is not an attribute of the
+`transformers` module cannot be served, with or without `--trust-remote-code`.
 `expose_plugin_classes` makes the plugin's classes such attributes, in this process only; the server's own code is
 then used unchanged, every option included.
 
