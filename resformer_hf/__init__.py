@@ -17,6 +17,7 @@ from .modeling_resformer import (
     ResFormerModel,
     ResFormerPreTrainedModel,
 )
+from .paged_cache import install as install_paged_cache
 from .peft_support import LAMBDA_MODULES, register_peft_target_modules
 from .registration import register_auto_classes
 
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 register_auto_classes()
 register_peft_target_modules()  # PEFT's default target modules for "resformer", when PEFT is installed
+install_paged_cache()  # SVFormer's values stored once in continuous batching's paged cache
 
 __all__ = [
     "VALUE_RESIDUAL_VARIANTS",

@@ -117,10 +117,22 @@ def model_output(output_class: type, **fields: Any):
     return output_class(**fields)
 
 
+@functools.cache
+def _paged_cache_class() -> type:
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    return PagedAttentionCache
+
+
 def update_cache(cache: Cache, key_states, value_states, layer_idx: int, kwargs: dict):
     """`Cache.update` as this release's Llama attention calls it (5.24 also hands the layer the attention kwargs)."""
     if CACHE_RENAMED:
         return cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
+    if isinstance(cache, _paged_cache_class()):
+        # 5.19-5.23 continuous batching hands its paged cache to the attention function as the keyword `cache`
+        # (which the layer's `cache` argument caught): the paged attention function updates it, with its kwargs.
+        kwargs["cache"] = cache
+        return key_states, value_states
     return cache.update(key_states, value_states, layer_idx)
 
 

@@ -24,6 +24,8 @@ COMMANDS = {
     "resformer_hf.cli.quickstart": "resformer-quickstart",
     "resformer-analyze": "resformer-analyze",
     "resformer_hf.cli.analyze": "resformer-analyze",
+    "resformer-serve": "resformer-serve",
+    "resformer_hf.cli.serve": "resformer-serve",
 }
 
 
