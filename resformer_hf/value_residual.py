@@ -10,16 +10,19 @@ memory at Llama's. Imports only torch and transformers (copied for `trust_remote
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 
 from .configuration_resformer import CORRECT, DENSE, FIXED, MIX, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
 from .fused_mixing import corrected_output_projection as fused_corrected_output_projection
+from .fused_mixing import is_plain_linear
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -73,6 +76,7 @@ class ValueResidual(nn.Module):
         # `inv_freq`; like it, `_init_weights` rebuilds it when transformers loads on the meta device.
         fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation == FIXED else None
         self.register_buffer("fixed_weights", fixed, persistent=False)
+        self._fixed_mixes: tuple[LayerMix, ...] | None = None  # fixed λ: `layer_mixes` builds them once
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -140,11 +144,62 @@ class ValueResidual(nn.Module):
     def layer_mixes(self) -> tuple[LayerMix, ...]:
         """Every layer's `LayerMix` for a forward pass without gradient, λ resolved once for all layers.
 
-        At most six small ops per forward pass (learnable_plus: the softmax, λ_scale, λ_self, a view, an unbind), so
-        that a decode step pays per mixing layer only the one fused op of `mix_on_output`. Learnable λ_first become a
-        [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once (decode steps; a long
-        prompt's receivers scale it one at a time); λ_self are unbound into 0-dim tensors. `dense` hands layer 0 a
-        copy of its offsets [R, L], which it unbinds into per-source columns.
+        Wherever it can, each λ is a Python number (`numeric_lambdas`): a mixing layer then folds the mix into v_proj's
+        GEMM (`torch.addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`), one op where Llama has its linear, and the pass
+        dispatches no op for λ at all. Fixed λ are numbers everywhere; learnable ones on the CPU when eager.
+        """
+        numbers = self.numeric_lambdas()
+        if numbers is None:
+            return self._tensor_mixes()
+        if self.parameterisation == FIXED and self._fixed_mixes is not None:
+            return self._fixed_mixes  # constants: built once
+        firsts, owns = numbers
+        rows = {layer: row for row, layer in enumerate(self.receivers)}
+        first_of_layer_0 = firsts[0] if firsts and self.role == CORRECT else 0.0
+        mixes = tuple(
+            LayerMix(
+                self.role if layer in rows else PLAIN, self.role, layer, rows.get(layer, -1), self.starts_stack[layer],
+                self.extends_stack[layer], firsts[rows[layer]] if layer in rows else first_of_layer_0, None,
+                owns[rows[layer]] if layer in rows else 1.0,
+            )
+            for layer in range(self.num_layers)
+        )
+        if self.parameterisation == FIXED:
+            self._fixed_mixes = mixes
+        return mixes
+
+    def numeric_lambdas(self) -> tuple[list[float], list[float]] | None:
+        """(λ_first, λ_self) of every receiver as Python floats, or None where they must stay tensors.
+
+        Tensors stay: under `torch.compile` (a number read from a tensor breaks the graph), for `dense` (a matrix of
+        weights), for parameters off the CPU (reading them would wait for the device every step) and for sharded ones
+        (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor's values dispatches no op; the softmax of
+        `learnable_plus` is a handful of float operations.
+        """
+        n = len(self.receivers)
+        if self.parameterisation == FIXED:
+            return [self.lambda_first_init] * n, [self.lambda_self_init] * n
+        if self.parameterisation == DENSE or torch.compiler.is_compiling():
+            return None
+        parameters = self._parameters.values()
+        if any(type(p) is not nn.Parameter or p.device.type != "cpu" or hasattr(p, "ds_id") for p in parameters):
+            return None
+        owns = [offset + self.lambda_self_init for offset in self.lambda_self_offset.tolist()]
+        if self.parameterisation == PAIR:
+            return [offset + self.lambda_first_init for offset in self.lambda_first_offset.tolist()], owns
+        logits = self.lambda_logits.tolist()
+        top = max(logits)
+        exponentials = [math.exp(logit - top) for logit in logits]
+        scale = (self.lambda_scale_offset.tolist()[0] + self.lambda_scale_init) / sum(exponentials)
+        return [scale * exponential for exponential in exponentials], owns
+
+    def _tensor_mixes(self) -> tuple[LayerMix, ...]:
+        """`layer_mixes` with λ as tensors (see `numeric_lambdas` for when).
+
+        At most six small ops per forward pass (learnable_plus: the softmax, λ_scale, λ_self, a view, an unbind).
+        Learnable λ_first become a [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once
+        (decode steps; a long prompt's receivers scale it one at a time); λ_self are unbound into 0-dim tensors.
+        `dense` hands layer 0 a copy of its offsets [R, L], which it unbinds into per-source columns.
         """
         n, first_init, own_init = len(self.receivers), self.lambda_first_init, self.lambda_self_init
         first, owns = first_init, [own_init] * n
@@ -323,15 +378,20 @@ def mix_on_output(
     mix: LayerMix, v_proj: nn.Module | None, hidden_states: torch.Tensor, residual_values, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor | None, object]:
     """A layer's (attention values [B, H_kv, T, D], raw values for NeuTRENO, residual values for later layers)
-    without gradient: v_proj runs as in Llama, then at most one op mixes (dense: three), on its output.
+    without gradient.
 
-    What travels between layers (`residual_values`) depends on the variant: V_0 (`svformer`; fixed λ with
-    λ_self = 1), λ_first·V_0 (other fixed λ), λ_first·V_0 per receiver (learnable; scaled when asked for beyond
-    `BATCHED_SCALING_MAX_TOKENS`), λ·V_0 token-major (NeuTRENO), or for `dense` the running mixes `Σ_j W[r, j]·V_j`
-    of every receiver r (updated in place) with the per-source weight columns.
+    With λ as numbers (`LayerMix.first` a float, see `ValueResidual.numeric_lambdas`) a mixing layer's v_proj and
+    its mix are one GEMM, `addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`, and V_0 travels as the [B·T, H_kv·D]
+    matrix layer 0's GEMM wrote. Otherwise (λ tensors: compiled learnable λ, `dense`) v_proj runs as in Llama and at
+    most one op mixes (dense: three) on its output; what travels then depends on the variant: V_0 (`svformer`; fixed
+    λ with λ_self = 1), λ_first·V_0 per receiver (learnable; scaled when asked for beyond
+    `BATCHED_SCALING_MAX_TOKENS`), or for `dense` the running mixes `Σ_j W[r, j]·V_j` of every receiver r (updated
+    in place) with the per-source weight columns.
     """
     if mix.role == REUSE:
         return residual_values, None, residual_values
+    if isinstance(mix.first, float) and mix.kind != MIX_ALL and (mix.starts or mix.role != PLAIN):
+        return _mix_with_numbers(mix, v_proj, hidden_states, residual_values, head_dim)
     raw = v_proj(hidden_states)
     own = raw.view(*hidden_states.shape[:-1], -1, head_dim).transpose(1, 2)
     if mix.starts:
@@ -347,6 +407,40 @@ def mix_on_output(
         mixes = mixes.addcmul_(columns[mix.layer], own)  # made by layer 0 in this pass: in place keeps one copy
         values = torch.add(mixes[mix.row], own, alpha=mix.own) if mix.role == MIX_ALL else own
         return values, None, (mixes, columns)
+    return own, raw, residual_values
+
+
+def _mix_with_numbers(mix: LayerMix, v_proj: nn.Module, hidden_states: torch.Tensor, residual_values,
+                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+    """`mix_on_output` with λ as Python numbers: Llama's ops for every layer, the mix folded into the GEMM.
+
+    A plain `nn.Linear` v_proj is applied as its GEMM on the [B·T, hidden] matrix (what `F.linear` does inside);
+    anything else (LoRA, quantised, hooked) is called, and a mixing layer then adds one op. NeuTRENO's layer 0 hands
+    on λ·V_0 ([B, T, H_kv, D]) and its layers their raw values in that layout for `corrected_output_projection`.
+    """
+    shape = hidden_states.shape
+    plain = is_plain_linear(v_proj) and v_proj.bias is None
+    if mix.role == MIX and not mix.starts:
+        if plain:
+            flat = torch.addmm(residual_values, hidden_states.reshape(-1, shape[-1]), v_proj.weight.t(),
+                               beta=mix.first, alpha=mix.own)
+        else:
+            flat = torch.add(v_proj(hidden_states).reshape(residual_values.shape) * mix.own, residual_values,
+                             alpha=mix.first)
+        return flat.view(*shape[:-1], -1, head_dim).transpose(1, 2), None, residual_values
+    if plain:
+        flat = F.linear(hidden_states.reshape(-1, shape[-1]), v_proj.weight)
+    else:
+        out = v_proj(hidden_states)
+        flat = out.reshape(-1, out.shape[-1])
+    raw = flat.view(*shape[:-1], -1, head_dim)
+    own = raw.transpose(1, 2)
+    if mix.starts:
+        if mix.kind == MIX:
+            return own, raw, flat
+        if mix.kind == CORRECT:
+            return own, raw, raw * mix.first
+        return own, raw, own  # REUSE: SVFormer's later layers attend over V_0 itself
     return own, raw, residual_values
 
 
@@ -374,16 +468,17 @@ def corrected_output_projection(
     """NeuTRENO's `o_proj(A_n V_n + λ(V_0 − V_n))` from the attention output as the attention function returns it
     ([B, T, H_q, D]; vLLM's [T, H_q·D]), for hidden states of shape `input_shape + (hidden,)`.
 
-    Without gradient (`weights` a `LayerMix`) from λ·V_0 and the raw [B, T, H_kv·D] values: two ops beyond Llama's
-    with one query head per kv head (Llama's own reshape before o_proj is the only other); with one, the fused
-    training form.
+    Without gradient (`weights` a `LayerMix`) from λ·V_0 and the raw values, both [B, T, H_kv, D]: one op beyond
+    Llama's with one query head per kv head (the sum replaces Llama's reshape copy before o_proj); with a gradient,
+    the fused training form.
     """
     if not isinstance(weights, LayerMix):
         return fused_corrected_output_projection(
             attn_output.reshape(*input_shape, -1, head_dim), residual_values, own_values, o_proj, weights, groups)
-    correction = torch.sub(residual_values, own_values, alpha=weights.first)
-    if groups == 1:
-        return o_proj(attn_output.reshape(*input_shape, -1) + correction)
+    correction = torch.sub(residual_values, own_values, alpha=weights.first)  # [B, T, H_kv, D]
+    if groups == 1 and attn_output.dim() == correction.dim():
+        # The contiguous correction first: the sum is laid out like it, replacing Llama's reshape copy of the output.
+        return o_proj(torch.add(correction, attn_output).reshape(*input_shape, -1))
     grouped = attn_output.reshape(*input_shape, -1, groups, head_dim)
-    corrected = grouped + correction.view(*input_shape, grouped.shape[-3], 1, head_dim)
+    corrected = grouped + correction.reshape(*input_shape, grouped.shape[-3], 1, head_dim)
     return o_proj(corrected.reshape(*input_shape, -1))
