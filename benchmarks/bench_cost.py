@@ -14,7 +14,12 @@ Memory: on CUDA the peak allocated bytes of a training step (`torch.cuda.max_mem
 keeps no allocator statistics, the exact bytes a training step must hold at its peak: parameters, gradients, AdamW
 state and every tensor autograd saves for the backward pass (counted once per storage with saved-tensor hooks).
 
-Writes `benchmarks/results/cost.{md,png}` and the README's cost paragraph (between `<!-- cost:begin/end -->`).
+Instructions (issue 32): callgrind counts each variant's and Llama's instructions per eager decode step, compiled
+decode step and prefill (`instruction_report.py`, `instructions.py`): deterministic, unlike the timings. Goals for
+both decode steps: 1.01 of Llama's, `dense` 1.03, NeuTRENO 1.02, SVFormer 1.00.
+
+Writes `benchmarks/results/cost.{md,png}` and the README's cost paragraphs (between `<!-- cost:begin/end -->` and
+`<!-- cost-instructions:begin/end -->`); `--only-instructions` rewrites only the instruction blocks.
 """
 
 from __future__ import annotations
@@ -27,9 +32,12 @@ import time
 from pathlib import Path
 
 import torch
+from cost_report import readme_block, write_report
+from cost_settings import CONTROL, DEFAULT_VARIANTS, METRICS, parse_size
+from cost_settings import size_fields as _size_fields
+from instruction_report import instruction_readme_block, instruction_section, measure_instructions
+from instructions import KINDS
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from resformer_hf.configuration_resformer import VARIANTS
 
 from common import (
     BASELINE,
@@ -39,68 +47,18 @@ from common import (
     add_device_args,
     build_model,
     clock_of,
-    environment_line,
     interleaved_medians,
-    markdown_table,
-    pyplot,
     rewrite_readme_block,
     setup_device,
 )
 
-DEFAULT_VARIANTS = ["identity", "constant", "learnable", "learnable_plus", "sparse", "dense", "svformer", "neutreno"]
-METRICS = ("step", "memory", "prefill", "decode")
 #: Flags that change what is measured beyond the sizes; the "Regenerate" command names them when not the default.
 TIMING_FLAGS = ("variants", "vocab_size", "head_dim", "gqa_groups", "dtype", "repeats", "round_seconds", "max_repeats",
                 "rounds", "compile_seq_len", "decode_context", "decode_steps", "seed", "clock")
-#: A second Llama, identical to the first, timed like the variants: its ratio is the run's noise floor.
-CONTROL = "llama, again"
-
-
-#: How the value residual stays at Llama's cost; quoted in cost.md and the README block this script writes.
-HOW = (
-    "The mix keeps no tensor beyond Llama's (`resformer_hf/value_residual.py`): a mixing layer's v_proj and the mix "
-    "run as one GEMM (`V' = a·V_0 + h(b·W)ᵀ`) whose custom backward saves only h, W and V_0, which q/k_proj and layer "
-    "0 keep anyway, and gets λ_self's gradient `<dV', V_n> = <dV'ᵀh, W>` exactly from the product the weight gradient "
-    "needs anyway; `dense` keeps every layer's raw values once, in one buffer whose prefixes are the per-layer stacks "
-    "(O(L), still passed positionally for reentrant checkpointing); NeuTRENO recomputes o_proj's corrected input in "
-    "backward instead of keeping it. Where v_proj / o_proj is not a plain `nn.Linear` (LoRA, quantised, tensor "
-    "parallel, hooked or offloaded) the plain ops run and keep one extra `[B, H_kv, T, D]` tensor per layer. Train "
-    "with `use_cache=False`: otherwise transformers builds a KV cache in training too, attention keeps the cache's "
-    "copies of the values (Llama as well), and V_0 is then kept once more."
-)
-
-
-def goal(metric: str, variant: str, hidden: int) -> float:
-    """The ratio to Llama a variant should stay within (issue 15); cells above it are bold."""
-    keeps_all = variant in VARIANTS and VARIANTS[variant].keeps_every_layers_values
-    if metric == "memory":
-        return 1.03 if keeps_all else 1.005
-    if metric in ("compiled step", "compiled decode"):
-        return 1.01
-    if metric == "decode":  # issue 21: one fused op per mixing layer, at Llama's speed
-        if variant in VARIANTS and VARIANTS[variant].drops_value_projections:
-            return 1.0
-        return 1.03 if keeps_all else 1.01
-    return 1.05 if keeps_all else (1.01 if hidden >= 512 else 1.02)
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """'256x8' -> (hidden 256, 8 layers)."""
-    try:
-        hidden, layers = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size {text!r} must look like HIDDENxLAYERS, e.g. 256x8") from None
-    return hidden, layers
 
 
 def size_fields(hidden: int, layers: int, args, max_positions: int) -> dict:
-    heads = max(1, hidden // args.head_dim)
-    return dict(
-        vocab_size=args.vocab_size, hidden_size=hidden, intermediate_size=max(32, round(hidden * 8 / 3 / 32) * 32),
-        num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=max(1, heads // args.gqa_groups), max_position_embeddings=max_positions,
-        tie_word_embeddings=False,
-    )
+    return _size_fields(hidden, layers, args.vocab_size, args.head_dim, max_positions, args.gqa_groups)
 
 
 class Trainer:
@@ -299,185 +257,6 @@ def measure_compiled(hidden: int, layers: int, args, device: torch.device) -> di
     }
 
 
-# ---- report -------------------------------------------------------------------------------------------------------
-
-
-def _cell(result: dict, metric: str, name: str) -> str:
-    ratio = result[metric][name]
-    text = f"**{ratio:.3f}**" if ratio > goal(metric, name, result["hidden"]) else f"{ratio:.3f}"
-    rounds = result.get("spread", {}).get(metric, {}).get(name)
-    if rounds and len(rounds) > 1:
-        text += f" ({min(rounds):.3f}–{max(rounds):.3f})"
-    return text
-
-
-def _label(name: str) -> str:
-    return "Llama again (noise floor)" if name == CONTROL else f"`{name}`"
-
-
-def _census_cell(result: dict, kind: str, name: str) -> str:
-    """Extra aten ops per call and the ratio of bytes written, vs Llama (exact counts)."""
-    ops, written = result["census"][name][kind]
-    base_ops, base_written = result["census"][BASELINE][kind]
-    return f"{ops - base_ops:+d}, {written / base_written:.4f}"
-
-
-def command_line(args) -> str:
-    flags = [("sizes", [f"{h}x{n}" for h, n in args.sizes]), ("seq_lens", args.seq_lens),
-             ("batch_size", args.batch_size), ("device", args.device)]
-    flags += [("threads", args.threads)] if args.threads else []
-    if args.compile_size:
-        flags += [("compile_size", f"{args.compile_size[0]}x{args.compile_size[1]}")]
-    flags += sorted(getattr(args, "changed_timing", {}).items())  # e.g. fewer rounds: the command must say so
-    return "python benchmarks/bench_cost.py " + " ".join(
-        f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
-        for key, value in flags
-    )
-
-
-def write_report(results: list[dict], compiled: dict | None, args, device: torch.device) -> str:
-    memory_kind = "peak allocated (CUDA)" if device.type == "cuda" else "params+grads+AdamW+saved activations"
-    lines = [
-        "# Cost of the value residual vs Llama (same size, same run)",
-        f"Regenerate: `{command_line(args)}` (also rewrites the README's cost paragraph). {environment_line(device)}",
-        f"Ratios to HF `LlamaForCausalLM` of the same size, times by the "
-        f"{'CPU time of this process' if args.clock == 'cpu' else 'wall clock'} (1.000 = same cost; bold = above "
-        "the issue-15 goal: memory 1.005, `dense` 1.03; time 1.02, from hidden 512 on 1.01, `dense` 1.05; compiled "
-        "1.01). Step = forward + "
-        f"backward + AdamW, median over {args.rounds} rounds of the median of N interleaved repeats (order rotated "
-        f"each repeat), with the lowest and highest of the per-round ratios in brackets (the run-to-run spread); "
-        f"prefill = no-grad forward with a fresh KV cache; decode = bursts of {args.decode_steps} single tokens "
-        "without gradient after the sequence as cached context (default dynamic cache, as `generate()`; issue-21 goal "
-        f"1.01, `dense` 1.03, SVFormer 1.0); memory = {memory_kind}, exact. The first row times a second, identical "
-        "Llama like the variants: its ratio is the run's noise floor. Ops and bytes: the aten ops one step (prefill, "
-        "decode step) dispatches beyond Llama's and the bytes their outputs write relative to Llama's, counted "
-        "exactly with a dispatch mode, so unaffected by machine load: extra ops are what small models pay (dispatch "
-        "overhead), extra bytes what large ones pay (elementwise memory traffic). Batch "
-        f"{args.batch_size}, vocab {args.vocab_size}, head dim {args.head_dim}, {args.dtype}.",
-        "",
-        HOW,
-    ]
-    for r in results:
-        lines += [
-            "",
-            f"## hidden {r['hidden']}, {r['layers']} layers, sequence {r['seq_len']}",
-            f"Llama: step {r['llama_step_s'] * 1e3:.1f} ms, prefill {r['llama_prefill_s'] * 1e3:.1f} ms, "
-            f"decode {r['llama_decode_s'] * 1e3:.2f} ms per token, "
-            f"memory {r['llama_bytes'] / 2**20:.1f} MiB, {r['parameters'][BASELINE] / 1e6:.2f}M parameters; "
-            f"N = {r['repeats']} (decode {r['decode_repeats']}).",
-            "",
-            markdown_table(
-                ["variant", "train step time", "training memory", "prefill time", "eager decode time",
-                 "step: aten ops, bytes written", "prefill: aten ops, bytes written",
-                 "decode step: aten ops, bytes written", "parameters"],
-                [[_label(n), _cell(r, "step", n), _cell(r, "memory", n), _cell(r, "prefill", n),
-                  _cell(r, "decode", n), _census_cell(r, "step", n), _census_cell(r, "prefill", n),
-                  _census_cell(r, "decode", n), f"{r['parameters'][n] / r['parameters'][BASELINE]:.3f}"]
-                 for n in [CONTROL, *args.variants]],
-            ),
-        ]
-    if compiled:
-        c = compiled
-        lines += [
-            "",
-            f"## torch.compile: hidden {c['hidden']}, {c['layers']} layers",
-            f"Every model (Llama too) is compiled with `torch.compile` (default mode, inductor). Training step: the "
-            f"compiled model's forward and backward at sequence {c['seq_len']}, eager AdamW; Llama "
-            f"{c['llama_step_s'] * 1e3:.1f} ms, N = {c['repeats']}. Decode step: one token through the compiled "
-            f"forward with a static KV cache holding {c['context']} tokens (batch 1), bursts of {args.decode_steps}; "
-            f"Llama {c['llama_decode_s'] * 1e3:.2f} ms per token, N = {c['decode_repeats']}. Compile time "
-            f"{min(c['compile_s'].values()):.0f}–{max(c['compile_s'].values()):.0f} s per model (both graphs).",
-            "",
-            markdown_table(["variant", "compiled train step", "compiled decode step"],
-                           [[_label(n), _cell(c, "compiled step", n), _cell(c, "compiled decode", n)]
-                            for n in [CONTROL, *args.variants]]),
-        ]
-    lines += ["", "![cost ratios](cost.png)", ""]
-    out = Path(args.out)
-    (out / "cost.md").write_text("\n".join(lines))
-    plot(results, compiled, args.variants, out / "cost.png")
-    return "\n".join(lines)
-
-
-def readme_block(results: list[dict], compiled: dict | None, args, device: torch.device) -> str:
-    """The README's cost paragraph and summary table: the worst ratio over sequence lengths for each size."""
-    sizes = list(dict.fromkeys((r["hidden"], r["layers"]) for r in results))
-
-    def worst(metric: str, name: str, size) -> float:
-        return max(r[metric][name] for r in results if (r["hidden"], r["layers"]) == size)
-
-    def cell(metric: str, name: str, size) -> str:
-        ratio = worst(metric, name, size)
-        return f"**{ratio:.3f}**" if ratio > goal(metric, name, size[0]) else f"{ratio:.3f}"
-
-    shown = ("step", "prefill", "decode", "memory")
-    header = ["variant"] + [f"{m} {h}×{n}" for m in shown for h, n in sizes]
-    names = [CONTROL, *args.variants]
-    rows = [[_label(n)] + [cell(m, n, s) for m in shown for s in sizes] for n in names]
-    if compiled:
-        header += ["compiled step", "compiled decode"]
-        for row, name in zip(rows, names):
-            row += [_cell({**compiled, "spread": {}}, metric, name) for metric in ("compiled step", "compiled decode")]
-    seqs = "/".join(map(str, args.seq_lens))
-    text = [
-        f"**Cost** (`{command_line(args)}`, [cost.md](benchmarks/results/cost.md); this paragraph and table are "
-        "written by that command): training step (forward + backward + AdamW), training memory (parameters + "
-        "gradients + AdamW state + activations saved for backward, counted exactly), prefill time and eager decode "
-        f"time ({args.decode_steps} tokens after the sequence, no gradient, dynamic cache) of every variant "
-        f"as a ratio to a same-size Llama timed round-robin in the same process; the worst of sequence {seqs} for "
-        f"each size (hidden × layers), batch {args.batch_size}, {device.type}"
-        + (f", {args.threads} thread" + ("s" if args.threads > 1 else "") if args.threads else "")
-        + ". Bold marks a ratio above the goal (memory 1.005, `dense` 1.03; time 1.02, 1.01 from hidden 512, `dense` "
-        "1.05; decode and compiled 1.01, `dense` decode 1.03, SVFormer decode 1.0). The first row is a second, "
-        "identical Llama timed the same way: the noise floor of the run. `cost.md` adds each ratio's run-to-run "
-        "spread and the exact count of extra ops and bytes per training "
-        "step, prefill and decode step. "
-        + HOW
-        + (f" Compiled: `torch.compile`d training step at {compiled['hidden']}×{compiled['layers']}, sequence "
-           f"{compiled['seq_len']}, and decode step with a static cache of {compiled['context']} tokens, vs compiled "
-           "Llama." if compiled else ""),
-        "",
-        markdown_table(header, rows),
-    ]
-    return "\n".join(text)
-
-
-def plot(results: list[dict], compiled: dict | None, variants: list[str], path: Path) -> None:
-    plt = pyplot()
-    titles = ("train step time", "training memory", "prefill time", "eager decode time")
-    panels = list(zip(METRICS, titles))
-    if compiled:
-        panels.append(("compiled", "torch.compile"))
-    figure, axes_row = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), sharey=True)
-    width = 0.8 / len(results)
-    for axes, (key, title) in zip(axes_row, panels):
-        if key == "compiled":
-            for index, metric in enumerate(("compiled step", "compiled decode")):
-                positions = [v + (index - 0.5) * 0.4 for v in range(len(variants))]
-                axes.bar(positions, [compiled[metric][n] for n in variants], 0.4, label=metric)
-            axes.axhline(1.01, color="red", ls="--", lw=1, label="goal 1.01")
-        else:
-            for index, r in enumerate(results):
-                positions = [v + (index - (len(results) - 1) / 2) * width for v in range(len(variants))]
-                label = f"h{r['hidden']}×{r['layers']}L, T={r['seq_len']}"
-                axes.bar(positions, [r[key][n] for n in variants], width, label=label)
-            axes.axhline(1.005 if key == "memory" else 1.01, color="red", ls="--", lw=1,
-                         label="goal (1.005)" if key == "memory" else "goal (1.01 at hidden ≥ 512)")
-        axes.axhline(1.0, color="black", lw=1)
-        axes.set_xticks(range(len(variants)), variants, rotation=45, ha="right")
-        axes.set_title(f"{title} / Llama")
-        axes.grid(axis="y", alpha=0.3)
-        axes.legend(fontsize="x-small")
-    axes_row[0].set_ylabel("ratio to LlamaForCausalLM")
-    values = [r[k][n] for r in results for k in METRICS for n in variants]
-    if compiled:
-        values += [compiled[k][n] for k in ("compiled step", "compiled decode") for n in variants]
-    axes_row[0].set_ylim(min(0.9, min(values) - 0.02), max(1.1, max(values) + 0.02))
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_device_args(parser)
@@ -505,12 +284,45 @@ def main(argv=None) -> None:
     add_clock_arg(parser)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the README's cost paragraph")
+    parser.add_argument("--instruction-sizes", nargs="+", type=parse_size, default=[(256, 8), (512, 12)],
+                        metavar="HIDDENxLAYERS", help="sizes callgrind counts (default 256x8 512x12)")
+    parser.add_argument("--instruction-batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--instruction-kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--instruction-runs", type=int, default=2, help="fresh processes per count (default 2)")
+    parser.add_argument("--no-instructions", action="store_true", help="skip the instruction counts (valgrind)")
+    parser.add_argument("--only-instructions", action="store_true",
+                        help="count instructions only; rewrite just their blocks of cost.md and the README")
     args = parser.parse_args(argv)
     args.changed_timing = {key: getattr(args, key) for key in TIMING_FLAGS
                            if getattr(args, key) != parser.get_default(key)}
     device = setup_device(args)
     clock_of(args, device)  # refuses --clock cpu on a GPU before anything is built
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if not args.only_instructions:
+        timings(args, device)
+    if not args.no_instructions:
+        instructions(args)
+
+
+def instructions(args) -> None:
+    """Count instructions (`instruction_report.py`) and rewrite their blocks of cost.md and the README."""
+    result = measure_instructions(args.instruction_sizes, args.instruction_batches, args.variants,
+                                  args.instruction_kinds, args.instruction_runs, vocab_size=args.vocab_size,
+                                  head_dim=args.head_dim)
+    command = "python benchmarks/bench_cost.py --only-instructions " + " ".join([
+        "--instruction-sizes", *(f"{h}x{n}" for h, n in args.instruction_sizes), "--instruction-batches",
+        *map(str, args.instruction_batches), "--instruction-kinds", *(f"'{k}'" for k in args.instruction_kinds),
+        "--instruction-runs", str(args.instruction_runs)])
+    rewrite_readme_block("instructions", f"Regenerate: `{command}`.\n\n" + instruction_section(result),
+                         page=Path(args.out) / "cost.md")
+    print(f"rewrote the instruction block of {Path(args.out) / 'cost.md'}")
+    if not args.no_readme:
+        rewrite_readme_block("cost-instructions", instruction_readme_block(result, command))
+        print("rewrote the README's instruction paragraph")
+
+
+def timings(args, device) -> None:
+    """Timings, memory and op census (the first part of cost.md and the README's cost paragraph)."""
     results = []
     for hidden, layers in args.sizes:
         for seq_len in args.seq_lens:

@@ -7,8 +7,9 @@ Ratios to Llama are measured in the same run. Goal: SVFormer's cache is exactly 
     python benchmarks/bench_svformer_cache.py --device cuda --hidden 1024 --layers 16 --contexts 2048 8192 32768
 
 - Cache bytes and peak memory: each (model, context) runs the stock `generate()` (greedy, its default dynamic cache)
-  in a fresh process, so the peak is its own: RSS sampled every 2 ms on CPU (`torch.cuda.max_memory_allocated` on
-  CUDA), minus what the process held before generate. Cache bytes are `resformer_hf.cache_nbytes` of the returned
+  in a fresh process: the peak bytes of live tensors it creates, checked after every aten op
+  (`live_bytes.PeakLiveTensorBytes`: deterministic, unlike RSS; `torch.cuda.max_memory_allocated` above what was
+  allocated before on CUDA). Cache bytes are `resformer_hf.cache_nbytes` of the returned
   cache (shared storage counted once).
 - Decode tokens/s: timing whole generate() calls in separate processes on a shared machine measures the neighbours,
   so all three models are prefilled once in one process, with the cache generate() would build (the default dynamic
@@ -26,11 +27,10 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
+from live_bytes import PeakLiveTensorBytes
 from transformers import StaticCache
 
 from resformer_hf._compat import cache_of, with_cache
@@ -57,32 +57,6 @@ MIB = 2**20
 # ---- one measurement, in its own process ----------------------------------------------------------------------------
 
 
-class PeakRss:
-    """Samples this process's resident set size in a thread while the `with` block runs; `.peak` is the maximum."""
-
-    def __init__(self, interval_s: float = 0.002):
-        import psutil
-
-        self.process, self.interval_s, self.peak = psutil.Process(), interval_s, 0
-        self._stop = threading.Event()
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.process.memory_info().rss)
-            time.sleep(self.interval_s)
-
-    def __enter__(self) -> PeakRss:
-        self.baseline = self.peak = self.process.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.process.memory_info().rss)
-
-
 def measure_memory(job: dict) -> dict:
     """Prefill `context` random tokens and greedily decode `new_tokens` with generate(); cache bytes and peak."""
     import resformer_hf
@@ -97,10 +71,10 @@ def measure_memory(job: dict) -> dict:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-        with PeakRss() as rss:
+        with PeakLiveTensorBytes() as live:
             out = model.generate(prompt, max_new_tokens=job["new_tokens"], min_new_tokens=job["new_tokens"],
                                  return_dict_in_generate=True, **greedy)
-        peak_delta = rss.peak - rss.baseline
+        peak_delta = live.peak
         if device.type == "cuda":
             peak_delta = torch.cuda.max_memory_allocated(device) - before
     return {"cache_bytes": resformer_hf.cache_nbytes(cache_of(out)), "peak_delta_bytes": peak_delta}
@@ -267,8 +241,9 @@ def report(args: argparse.Namespace, medians: dict) -> str:
         "",
         markdown_table(header, rows),
         "",
-        "`generate peak MiB`: peak process memory during generate() above what the process held before it (RSS on "
-        "CPU, allocated bytes on CUDA).",
+        "`generate peak MiB`: peak bytes of the live tensors generate() creates (KV cache, activations, logits), "
+        "checked after every aten op (`benchmarks/live_bytes.py`): deterministic, the same in every run, unlike the "
+        "RSS samples this column held before; on CUDA the peak allocated bytes above those allocated before.",
         "",
         environment_line(torch.device(args.device)),
         f"Command: `{' '.join(['python benchmarks/bench_svformer_cache.py', *sys.argv[1:]])}`",

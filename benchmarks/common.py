@@ -146,15 +146,17 @@ def documentation_pages(root: Path = REPO_ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
-def rewrite_readme_block(name: str, text: str, root: Path = REPO_ROOT) -> Path:
+def rewrite_readme_block(name: str, text: str, root: Path = REPO_ROOT, *, page: Path | None = None) -> Path:
     """Replace what the documentation holds between `<!-- name:begin -->` and `<!-- name:end -->` with `text`.
 
     Lets a benchmark regenerate the paragraphs that quote its results in the same command that measures them, without
-    knowing which page (README.md or docs/*.md) holds them. `text` links files relative to the repository root
-    (`benchmarks/results/cost.md`); the links are rewritten relative to the page. Returns the page written.
+    knowing which page (README.md or docs/*.md) holds them (`page` names the file instead, e.g. a results file).
+    `text` links files relative to the repository root (`benchmarks/results/cost.md`); the links are rewritten
+    relative to the page. Returns the page written.
     """
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
-    holders = [page for page in documentation_pages(root) if begin in page.read_text(encoding="utf-8")]
+    holders = [page] if page is not None else [
+        candidate for candidate in documentation_pages(root) if begin in candidate.read_text(encoding="utf-8")]
     if len(holders) != 1:
         found = ", ".join(str(page.relative_to(root)) for page in holders) or "none"
         raise SystemExit(f"exactly one of README.md and docs/*.md must hold the {begin} ... {end} block for the "

@@ -55,17 +55,10 @@ from .cache_resformer import new_dynamic_cache, share_first_layer_values
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, ResFormerConfig
 from .fused_mixing import dense_values, project_and_mix_first
 from .loading import check_lambdas_are_finite, check_value_projections
+from .no_grad_mixing import LayerMix, corrected_output_projection, mix_on_output, needs_value_gradients
 from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, gather_in_float32, is_pipeline_stage, refuse_pipeline_parallel
 from .peft_support import register_peft_target_modules
-from .value_residual import (
-    LAMBDA_CHECKPOINT_CONVERSIONS,
-    LayerMix,
-    ValueResidual,
-    corrected_output_projection,
-    fixed_value_weights,
-    mix_on_output,
-    needs_value_gradients,
-)
+from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, fixed_value_weights
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)

@@ -2,24 +2,24 @@
 
 Everything specific to Value Residual Learning (Zhou et al., ACL 2025, arXiv 2410.17897) lives here, in the variant
 registry (`VARIANTS` in `configuration_resformer.py`) and, for training, in `fused_mixing.py`; the modeling file only
-wires it into Llama's attention. A forward pass that needs no gradient (decoding, evaluation) mixes here, on v_proj's
-output (`mix_on_output`); one that may be differentiated mixes through `fused_mixing.py`, which keeps training
-memory at Llama's. Imports only torch and transformers (copied for `trust_remote_code`).
+wires it into Llama's attention. A forward pass that needs no gradient (decoding, evaluation) mixes on v_proj's output
+(`no_grad_mixing.py`); one that may be differentiated mixes through `fused_mixing.py`, which keeps training memory at
+Llama's. Imports only torch and transformers (copied for `trust_remote_code`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 
-from .configuration_resformer import CORRECT, DENSE, FIXED, MIX, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
-from .fused_mixing import corrected_output_projection as fused_corrected_output_projection
+from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
+from .no_grad_mixing import LayerMix
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -73,6 +73,7 @@ class ValueResidual(nn.Module):
         # `inv_freq`; like it, `_init_weights` rebuilds it when transformers loads on the meta device.
         fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation == FIXED else None
         self.register_buffer("fixed_weights", fixed, persistent=False)
+        self._fixed_mixes: tuple[LayerMix, ...] | None = None  # fixed λ: `layer_mixes` builds them once
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -140,11 +141,64 @@ class ValueResidual(nn.Module):
     def layer_mixes(self) -> tuple[LayerMix, ...]:
         """Every layer's `LayerMix` for a forward pass without gradient, λ resolved once for all layers.
 
-        At most six small ops per forward pass (learnable_plus: the softmax, λ_scale, λ_self, a view, an unbind), so
-        that a decode step pays per mixing layer only the one fused op of `mix_on_output`. Learnable λ_first become a
-        [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once (decode steps; a long
-        prompt's receivers scale it one at a time); λ_self are unbound into 0-dim tensors. `dense` hands layer 0 a
-        copy of its offsets [R, L], which it unbinds into per-source columns.
+        Wherever it can, each λ is a Python number (`numeric_lambdas`): a mixing layer then folds the mix into v_proj's
+        GEMM (`torch.addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`), one op where Llama has its linear, and the pass
+        dispatches no op for λ at all. Fixed λ are numbers everywhere; learnable ones on the CPU when eager.
+        """
+        numbers = self.numeric_lambdas()
+        if numbers is None:
+            return self._tensor_mixes()
+        if self.parameterisation == FIXED and self._fixed_mixes is not None:
+            return self._fixed_mixes  # constants: built once
+        firsts, owns = numbers
+        rows = {layer: row for row, layer in enumerate(self.receivers)}
+        first_of_layer_0 = firsts[0] if firsts and self.role == CORRECT else 0.0
+        mixes = tuple(
+            LayerMix(
+                self.role if layer in rows else PLAIN, self.role, layer, rows.get(layer, -1), self.starts_stack[layer],
+                self.extends_stack[layer], firsts[rows[layer]] if layer in rows else first_of_layer_0, None,
+                owns[rows[layer]] if layer in rows else 1.0,
+            )
+            for layer in range(self.num_layers)
+        )
+        if self.parameterisation == FIXED:
+            self._fixed_mixes = mixes
+        return mixes
+
+    def numeric_lambdas(self) -> tuple[list[float], list[float]] | None:
+        """(λ_first, λ_self) of every receiver as Python floats, or None where they must stay tensors.
+
+        Tensors stay: under `torch.compile` (a number read from a tensor breaks the graph), for `dense` (a matrix of
+        weights), for parameters off the CPU (reading them would wait for the device every step) and for sharded ones
+        (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor's values dispatches no op; the softmax of
+        `learnable_plus` is a handful of float operations.
+        """
+        n = len(self.receivers)
+        if self.parameterisation == FIXED:
+            return [self.lambda_first_init] * n, [self.lambda_self_init] * n
+        if self.parameterisation == DENSE or torch.compiler.is_compiling():
+            return None
+        parameters = self._parameters.values()
+        if any(type(p) is not nn.Parameter or p.device.type != "cpu" or hasattr(p, "ds_id") for p in parameters):
+            return None
+        owns = [offset + self.lambda_self_init for offset in self.lambda_self_offset.tolist()]
+        if self.parameterisation == PAIR:
+            return [offset + self.lambda_first_init for offset in self.lambda_first_offset.tolist()], owns
+        logits = self.lambda_logits.tolist()
+        if not logits:  # a one-layer model: no layer receives V_0
+            return [], owns
+        top = max(logits)
+        exponentials = [math.exp(logit - top) for logit in logits]
+        scale = (self.lambda_scale_offset.tolist()[0] + self.lambda_scale_init) / sum(exponentials)
+        return [scale * exponential for exponential in exponentials], owns
+
+    def _tensor_mixes(self) -> tuple[LayerMix, ...]:
+        """`layer_mixes` with λ as tensors (see `numeric_lambdas` for when).
+
+        At most six small ops per forward pass (learnable_plus: the softmax, λ_scale, λ_self, a view, an unbind).
+        Learnable λ_first become a [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once
+        (decode steps; a long prompt's receivers scale it one at a time); λ_self are unbound into 0-dim tensors.
+        `dense` hands layer 0 a copy of its offsets [R, L], which it unbinds into per-source columns.
         """
         n, first_init, own_init = len(self.receivers), self.lambda_first_init, self.lambda_self_init
         first, owns = first_init, [own_init] * n
@@ -270,120 +324,3 @@ def fixed_value_weights(config: ResFormerConfig) -> tuple[float, float] | None:
 
 # ---- the mix without gradient: on v_proj's output, one fused op per mixing layer ----------------------------------
 #
-# Training mixes through `fused_mixing.py`, whose autograd functions fold λ_self into v_proj's weight to keep no extra
-# tensor for backward; at decode that rescales the whole [H_kv·D, hidden] weight per layer per token. Without a
-# gradient the values are mixed after the projection instead: O(H_kv·D) per token, the weight never touched.
-
-#: Up to this many tokens per forward pass (a decode step, a speculative draft) layer 0 scales V_0 for all R receivers
-#: in one op; beyond it (a prompt's prefill) each receiver scales V_0 when it runs, so that prefill holds one scaled
-#: copy of V_0 at a time instead of R (R·B·H_kv·T·D elements: more than the cache's values for long prompts).
-BATCHED_SCALING_MAX_TOKENS = 16
-
-
-class ScaledPerReceiver(NamedTuple):
-    """λ_first[r]·V_0 for receiver r, computed when receiver r asks for it (long inputs; see above)."""
-
-    values: torch.Tensor  #: V_0 [B, H_kv, T, D]
-    first: tuple[torch.Tensor, ...]  #: one [1, 1, 1, 1] λ_first per receiver, in the values' dtype
-
-    def __getitem__(self, row: int) -> torch.Tensor:
-        return self.values * self.first[row]
-
-
-class LayerMix(NamedTuple):
-    """What one layer does with values in a forward pass that needs no gradient (`ValueResidual(inference=True)`).
-
-    `first` and `first_init` are shared by all layers (layer 0 scales V_0 with them); `own` is this layer's λ_self.
-    """
-
-    role: str  #: this layer's role (PLAIN for layers that do not receive)
-    kind: str  #: the receiving layers' role in this variant, which decides what layer 0 hands on
-    layer: int
-    row: int  #: this layer's index among the receivers, -1 for other layers
-    starts: bool  #: layer 0, whose values later layers read
-    extends: bool  #: `dense`: a later layer whose values even later layers read
-    first: float | torch.Tensor  #: λ_first (float), a [R, 1, 1, 1, 1] column (learnable), or dense offsets [R, L]
-    first_init: float | None  #: λ_first's configured value (`dense` adds it to its offsets)
-    own: float | torch.Tensor  #: λ_self: a float, or a 0-dim tensor when learnable
-
-
-def needs_value_gradients(model: nn.Module, inputs_embeds: torch.Tensor) -> bool:
-    """Whether this forward pass may be differentiated, so the fused training mix (`fused_mixing.py`) must run.
-
-    True when autograd is recording and anything the mix depends on can want a gradient: the input embeddings or any
-    parameter of the model (LoRA adapters included). `torch.no_grad()`, `generate()` and frozen models take the
-    inference mix (`mix_on_output`), which computes the same values with Llama's ops plus one per mixing layer.
-    """
-    if not torch.is_grad_enabled():
-        return False
-    return inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in model.parameters())
-
-
-def mix_on_output(
-    mix: LayerMix, v_proj: nn.Module | None, hidden_states: torch.Tensor, residual_values, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor | None, object]:
-    """A layer's (attention values [B, H_kv, T, D], raw values for NeuTRENO, residual values for later layers)
-    without gradient: v_proj runs as in Llama, then at most one op mixes (dense: three), on its output.
-
-    What travels between layers (`residual_values`) depends on the variant: V_0 (`svformer`; fixed λ with
-    λ_self = 1), λ_first·V_0 (other fixed λ), λ_first·V_0 per receiver (learnable; scaled when asked for beyond
-    `BATCHED_SCALING_MAX_TOKENS`), λ·V_0 token-major (NeuTRENO), or for `dense` the running mixes `Σ_j W[r, j]·V_j`
-    of every receiver r (updated in place) with the per-source weight columns.
-    """
-    if mix.role == REUSE:
-        return residual_values, None, residual_values
-    raw = v_proj(hidden_states)
-    own = raw.view(*hidden_states.shape[:-1], -1, head_dim).transpose(1, 2)
-    if mix.starts:
-        return own, raw, _first_values(mix, own, raw)
-    if mix.role == MIX:
-        if isinstance(mix.own, torch.Tensor):
-            return torch.addcmul(residual_values[mix.row], own, mix.own), None, residual_values
-        if mix.own == 1.0:
-            return torch.add(own, residual_values, alpha=mix.first), None, residual_values
-        return torch.add(residual_values, own, alpha=mix.own), None, residual_values
-    if mix.role == MIX_ALL or mix.extends:
-        mixes, columns = residual_values
-        mixes = mixes.addcmul_(columns[mix.layer], own)  # made by layer 0 in this pass: in place keeps one copy
-        values = torch.add(mixes[mix.row], own, alpha=mix.own) if mix.role == MIX_ALL else own
-        return values, None, (mixes, columns)
-    return own, raw, residual_values
-
-
-def _first_values(mix: LayerMix, own: torch.Tensor, raw: torch.Tensor):
-    """What layer 0 hands on (see `mix_on_output`), with the λ cast to the values' dtype."""
-    if mix.kind == REUSE:
-        return own
-    if mix.kind == CORRECT:
-        return raw * mix.first
-    if mix.kind == MIX_ALL:  # W[:, 0] = offsets + λ_first; the λ_self diagonal is added by each receiver itself
-        columns = mix.first.to(own.dtype).view(*mix.first.shape, 1, 1, 1, 1).unbind(1)
-        return own * (columns[0] + mix.first_init), columns
-    if isinstance(mix.first, torch.Tensor):
-        first = mix.first.to(own.dtype)
-        if own.shape[-2] > BATCHED_SCALING_MAX_TOKENS:
-            return ScaledPerReceiver(own, first.unbind(0))
-        return (own * first).unbind(0)
-    return own if mix.own == 1.0 else own * mix.first
-
-
-def corrected_output_projection(
-    attn_output: torch.Tensor, input_shape: tuple[int, ...], residual_values, own_values: torch.Tensor,
-    o_proj: nn.Module, weights, groups: int, head_dim: int,
-) -> torch.Tensor:
-    """NeuTRENO's `o_proj(A_n V_n + λ(V_0 − V_n))` from the attention output as the attention function returns it
-    ([B, T, H_q, D]; vLLM's [T, H_q·D]), for hidden states of shape `input_shape + (hidden,)`.
-
-    Without gradient (`weights` a `LayerMix`) from λ·V_0 and the raw [B, T, H_kv·D] values: two ops beyond Llama's
-    with one query head per kv head (Llama's own reshape before o_proj is the only other); with one, the fused
-    training form.
-    """
-    if not isinstance(weights, LayerMix):
-        return fused_corrected_output_projection(
-            attn_output.reshape(*input_shape, -1, head_dim), residual_values, own_values, o_proj, weights, groups)
-    correction = torch.sub(residual_values, own_values, alpha=weights.first)
-    if groups == 1:
-        return o_proj(attn_output.reshape(*input_shape, -1) + correction)
-    grouped = attn_output.reshape(*input_shape, -1, groups, head_dim)
-    corrected = grouped + correction.view(*input_shape, grouped.shape[-3], 1, head_dim)
-    return o_proj(corrected.reshape(*input_shape, -1))

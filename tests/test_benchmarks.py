@@ -373,7 +373,8 @@ def test_cost_benchmark_end_to_end(tmp_path):
     out = tmp_path / "out"
     bench_cost.main(["--sizes", "64x2", "--seq-lens", "16", "--batch-size", "1", "--vocab-size", "64", "--variants",
                      "dense", "svformer", "--repeats", "1", "--rounds", "1", "--round-seconds", "0", "--max-repeats",
-                     "1", "--decode-steps", "2", "--no-compile", "--threads", "1", "--out", str(out), "--no-readme"])
+                     "1", "--decode-steps", "2", "--no-compile", "--no-instructions", "--threads", "1", "--out",
+                     str(out), "--no-readme"])
     table = (out / "cost.md").read_text()
     assert "--rounds 1" in table.splitlines()[1] and "--decode-steps 2" in table.splitlines()[1]  # honest command
     assert "| eager decode time |" in table and "| decode step: aten ops, bytes written |" in table

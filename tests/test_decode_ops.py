@@ -15,7 +15,7 @@ from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 from resformer_hf._compat import with_cache
 from resformer_hf.cache_resformer import share_first_layer_values
 from resformer_hf.configuration_resformer import CORRECT, MIX_ALL, REUSE, VARIANTS
-from resformer_hf.value_residual import BATCHED_SCALING_MAX_TOKENS
+from resformer_hf.no_grad_mixing import BATCHED_SCALING_MAX_TOKENS
 
 from helpers import NON_DEFAULT, llama_config_like, model_with_random_lambdas, tiny_config
 from reference import reference_logits
