@@ -45,6 +45,7 @@ from ._compat import (
     CACHE_ARGUMENT,
     GradientCheckpointingLayer,
     accepts_cache,
+    accepts_cache_before,
     create_causal_mask,
     generation_cache,
     model_output,
@@ -396,8 +397,8 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
 
         self.post_init()
 
-    # Llama's causal-LM head is reused as is: the base model is the only difference.
-    forward = LlamaForCausalLM.forward
+    # Llama's causal-LM head is reused as is (the base model is the only difference), minus dropping a cache on 5.24.
+    forward = accepts_cache_before(LlamaForCausalLM.forward)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate()`'s own cache (dynamic, static, ...), with values stored once for SVFormer; a cache the user

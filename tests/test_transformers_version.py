@@ -135,17 +135,28 @@ def test_generate_that_passes_the_cache_under_a_new_name_fails_instead_of_genera
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
 
 
-def test_both_cache_names_at_once_are_never_both_used():
-    """5.24 keeps `cache` and warns, as for Llama (transformers' own deprecation); before 5.24 it is an error."""
+def test_two_caches_under_both_names_are_refused():
+    """transformers' `deprecate_kwarg` (5.24, Llama) would keep `cache` and drop the other with a warning."""
     model = model_with_random_lambdas(tiny_config())
     kept, dropped = DynamicCache(config=model.config), DynamicCache(config=model.config)
-    if _compat.CACHE_RENAMED:
-        with pytest.warns(FutureWarning, match="Both `past_key_values` and `cache` are set"):
-            model.model(torch.tensor([[5, 6]]), cache=kept, past_key_values=dropped, use_cache=True)
-        assert (kept.get_seq_length(), dropped.get_seq_length()) == (2, 0)
-    else:
-        with pytest.raises(ValueError, match="not both"):
-            model.model(torch.tensor([[5, 6]]), cache=kept, past_key_values=dropped, use_cache=True)
+    with pytest.raises(ValueError, match="not both"):
+        model.model(torch.tensor([[5, 6]]), cache=kept, past_key_values=dropped, use_cache=True)
+    assert (kept.get_seq_length(), dropped.get_seq_length()) == (0, 0)
+
+
+@pytest.mark.parametrize("variant", ["learnable_plus", "svformer"])
+def test_a_cache_as_past_key_values_next_to_cache_none_is_used(variant):
+    """What PEFT 0.21's prefix tuning passes on 5.24 (`cache=None, past_key_values=C`): a Llama computes without C
+    (`deprecate_kwarg` keeps `cache=None`); a ResFormer uses C, so decoding matches the uncached model."""
+    model = model_with_random_lambdas(tiny_config(variant))
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    cache = DynamicCache(config=model.config)
+    model(tokens[:, :4], use_cache=True, **with_cache(cache))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)  # 5.24's rename
+        step = model(tokens[:, 4:], use_cache=True, cache=None, past_key_values=cache).logits
+    assert cache.get_seq_length() == 6
+    assert (step - model(tokens).logits[:, 4:]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
