@@ -83,6 +83,20 @@ def test_package_metadata_readme_and_card_state_the_tested_range():
         assert "pip install resformer-hf" not in text and "pypi.org/project/resformer-hf" not in text
 
 
+
+def test_the_torch_floor_is_the_torch_ci_tests_at_both_ends():
+    """setup.cfg's `torch>=X.Y`, the README's requirement and the oldest virtualenv of "Run the tests" (which .ci/run
+    runs) name the same torch; the newest one is tested there too (issue 27: 2.6 was admitted, never tested)."""
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    (floor,) = [req.removeprefix("torch>=") for req in setup["options"]["install_requires"].split()
+                if req.startswith("torch>=")]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"torch ≥ {floor} (CI runs the core tests on {floor}.0 with transformers {OLDEST_RELEASE}" in readme
+    assert f'.venv/oldest/bin/pip install "torch=={floor}.0" "transformers=={OLDEST_RELEASE}"' in readme
+    assert '.venv/newest/bin/pip install "torch==2.14.1"' in readme
+    assert f"torch {floor} to 2.14 are tested" in readme
+
 @pytest.mark.slow
 def test_remote_code_under_transformers_4_57_fails_with_one_line(tmp_path):
     """A real transformers 4.57 (the one `optimum-cli export onnx` installs), fetched into the test cache."""
