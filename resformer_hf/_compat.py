@@ -122,13 +122,6 @@ def accepts_cache(forward: Callable) -> Callable:
     return renamed
 
 
-def accepts_cache_before(llama_forward: Callable) -> Callable:
-    """A Llama head's forward, reused as is, that keeps a cache passed as `past_key_values` next to `cache=None`: on
-    5.24 its own `deprecate_kwarg` would drop it, so `accepts_cache` hands it on as `cache` first; before 5.24
-    `past_key_values` is that forward's own argument and it is returned unchanged."""
-    return accepts_cache(llama_forward) if CACHE_RENAMED else llama_forward
-
-
 def model_output(output_class: type, **fields: Any):
     """`output_class(**fields)` with the `cache` field under this release's name."""
     if not CACHE_RENAMED and "cache" in fields:
@@ -220,7 +213,6 @@ __all__ = [
     "TRANSFORMERS_VERSION",
     "UntestedTransformersWarning",
     "accepts_cache",
-    "accepts_cache_before",
     "create_causal_mask",
     "generation_cache",
     "model_output",
