@@ -75,7 +75,7 @@ from transformers.cache_utils import Cache  # noqa: E402  (after the version che
 from transformers.masking_utils import create_causal_mask as _create_causal_mask  # noqa: E402
 from transformers.modeling_layers import GradientCheckpointingLayer as _GradientCheckpointingLayer  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaModel  # noqa: E402
-from transformers.utils import logging  # noqa: E402
+from transformers.utils import is_torchdynamo_compiling, logging  # noqa: E402
 
 logger = logging.get_logger(__name__)
 
@@ -89,21 +89,33 @@ FOREIGN_CACHE_NAMES = ("past_key_values", "past_key_value", "cache_params", "lay
 
 
 def accepts_cache(forward: Callable) -> Callable:
-    """Decorator for a `forward(..., cache=...)` written with 5.24's name: on 5.24 it is transformers' own deprecation
-    of `past_key_values` (as `modeling_llama.py` has it); on older releases, where `past_key_values` is the official
-    name (`generate()` and the Llama heads pass it), the old name is renamed silently."""
-    if CACHE_RENAMED:
-        from transformers.utils.deprecation import deprecate_kwarg
+    """Decorator for a `forward(..., cache=...)` written with 5.24's name that also takes the cache as
+    `past_key_values`, the official name before 5.24 (`generate()` and the Llama heads pass it).
 
-        return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+    A cache is never dropped: `past_key_values=C` next to `cache=None` (what PEFT 0.21's prefix tuning passes on
+    5.24, where transformers' own `deprecate_kwarg` would keep `cache=None` and compute without C) uses C, and two
+    different caches are refused. On 5.24 the old name warns as `deprecate_kwarg` does (FutureWarning, not while
+    compiling); the plain wrapper also keeps `torch.compile(fullgraph=True)` traceable on older torch, which cannot
+    trace `deprecate_kwarg`'s signature inspection.
+    """
 
     @functools.wraps(forward)
     def renamed(*args: Any, **kwargs: Any):
         if "past_key_values" in kwargs:  # the Llama heads pass `past_key_values=None` when given `cache=...`
             legacy = kwargs.pop("past_key_values")
-            if legacy is not None and kwargs.get("cache") is not None:
-                raise ValueError("Pass the KV cache once, as `cache` or as `past_key_values`, not both.")
+            current = kwargs.get("cache")
+            if legacy is not None and current is not None and current is not legacy:
+                raise ValueError(
+                    "Pass the KV cache once, as `cache` or as `past_key_values`, not both: one of the two would be "
+                    "ignored."
+                )
             if legacy is not None:
+                if CACHE_RENAMED and not is_torchdynamo_compiling():
+                    warnings.warn(
+                        "`past_key_values` is deprecated (transformers 5.24 renamed it); use `cache` instead.",
+                        FutureWarning,
+                        stacklevel=2,
+                    )
                 kwargs["cache"] = legacy
         return forward(*args, **kwargs)
 

@@ -79,15 +79,19 @@ class SharedValuesDynamicLayer(_ReadsProducerValues, DynamicLayer):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         return self.keys, self.values_from.values
 
-    def crop(self, tokens_to_remove: int) -> None:  # follows DynamicLayer.crop (same message), keys only
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache instead."
-            )
-        if tokens_to_remove == 0 or not self.is_initialized:
+    def crop(self, tokens_to_remove: int) -> None:
+        """Crop the keys by the installed release's own `DynamicLayer.crop`, run on a stand-in that holds them.
+
+        The rules differ across releases (5.19 reads a positive value as the length to keep, later ones refuse it), and
+        `Cache.crop` crops the producer (layer 0) first: applying the very same rules here means a crop the producer
+        accepted never fails half-way through the cache, and one it refused never reaches this layer."""
+        if not self.is_initialized:
             return
-        self.keys = self.keys[..., : -abs(tokens_to_remove), :]
+        stand_in = DynamicLayer()
+        stand_in.keys = stand_in.values = self.keys
+        stand_in.is_initialized = True
+        DynamicLayer.crop(stand_in, tokens_to_remove)
+        self.keys = stand_in.keys
 
     def batch_repeat_interleave(self, repeats: int) -> None:  # follows DynamicLayer.batch_repeat_interleave
         if self.get_seq_length() > 0:

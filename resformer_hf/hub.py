@@ -9,9 +9,7 @@ or a generic one; `push_with_card` writes the ResFormer card with the model's ow
 from __future__ import annotations
 
 import copy
-import json
 import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -19,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
+from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from transformers.dynamic_module_utils import custom_object_save
 
 from . import model_card
 from .configuration_resformer import ResFormerConfig
-from .errors import UserInputError
 from .modeling_resformer import ResFormerForCausalLM, ResFormerPreTrainedModel
+from .refresh_code import refresh_remote_code
 from .registration import full_auto_map
 
 
@@ -100,61 +99,8 @@ def save_for_hub(
         model_id=model_id,
     )
 
-
-def refresh_remote_code(directory: str | os.PathLike) -> list[str]:
-    """Replace the remote code a ResFormer folder ships (and its `auto_map`) with this plugin's, in place.
-
-    For folders published by an older plugin: their code may not know the transformers release a user runs (5.24
-    renamed the cache argument), and `trust_remote_code=True` without the plugin runs whatever the folder holds.
-    Only the `.py` files the model's code consists of and `config.json`'s `auto_map` change; every other byte
-    (weights, tokenizer, card, the rest of the config) is left alone. Each file is written beside its target and
-    renamed into place, the files other files import first and `config.json` last, so an interrupted refresh leaves
-    every file whole. Returns the names of the files written.
-    """
-    directory = Path(directory)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise UserInputError(f"{directory} has no config.json: pass the folder of a saved ResFormer model.")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UserInputError(f"{config_path} is not valid JSON ({error}); nothing was changed.") from error
-    if not isinstance(config, dict) or config.get("model_type") != ResFormerConfig.model_type:
-        found = config.get("model_type") if isinstance(config, dict) else None
-        raise UserInputError(
-            f"{config_path} has model_type {found!r}, not {ResFormerConfig.model_type!r}: only ResFormer folders "
-            "ship this plugin's code; nothing was changed."
-        )
-    with tempfile.TemporaryDirectory() as fresh:
-        custom_object_save(ResFormerForCausalLM, fresh)
-        # Modules that import nothing of their own first, the entry points (config, modeling) last.
-        code = sorted(Path(fresh).glob("*.py"), key=lambda path: (path.name in _ENTRY_MODULES, path.name))
-        written = []
-        for source in code:
-            _replace_file(directory / source.name, source.read_bytes())
-            written.append(source.name)
-    config["auto_map"] = {**(config.get("auto_map") or {}), **full_auto_map()}
-    _replace_file(config_path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
-    return [*written, config_path.name]
-
-
-_ENTRY_MODULES = ("configuration_resformer.py", "modeling_resformer.py")
-
-
-def _replace_file(target: Path, content: bytes) -> None:
-    """Write `content` to `target` atomically: a sibling temporary file, flushed, then renamed over `target`."""
-    handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(content)
-            stream.flush()
-            os.fsync(stream.fileno())
-        if target.exists():
-            shutil.copymode(target, staging)
-        os.replace(staging, target)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
+# Beyond huggingface_hub's defaults: bytecode, and `refresh_code`'s staging files (`.<name>.<random>.tmp`).
+_NOT_UPLOADED = ("__pycache__/*", "*/__pycache__/*", ".*.tmp", "*/.*.tmp")
 
 
 def upload_folder_to_hub(
@@ -166,14 +112,17 @@ def upload_folder_to_hub(
     commit_message: str = "Upload ResFormer model",
     create_pr: bool = False,
 ) -> CommitInfo:
-    """Create `repo_id` if needed and upload every file of `folder` in one commit (as transformers' push does)."""
+    """Create `repo_id` if needed and upload the files of `folder` in one commit (as transformers' push does),
+    skipping what `hf upload` skips (huggingface_hub's `DEFAULT_IGNORE_PATTERNS`: `.git/`, `.cache/huggingface/`),
+    bytecode, and the staging files an interrupted `--refresh-code` may leave."""
     api = HfApi()
     repo_id = api.create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
     root = Path(folder)
+    files = sorted(path.relative_to(root).as_posix() for path in root.rglob("*") if path.is_file())
+    ignored = [*DEFAULT_IGNORE_PATTERNS, *_NOT_UPLOADED]
     operations = [
-        CommitOperationAdd(path_in_repo=path.relative_to(root).as_posix(), path_or_fileobj=str(path))
-        for path in sorted(root.rglob("*"))
-        if path.is_file() and "__pycache__" not in path.parts and ".git" not in path.parts
+        CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(root / name))
+        for name in filter_repo_objects(files, ignore_patterns=ignored)
     ]
     return api.create_commit(
         repo_id=repo_id, operations=operations, commit_message=commit_message, token=token, create_pr=create_pr

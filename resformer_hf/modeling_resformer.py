@@ -389,8 +389,8 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
 
         self.post_init()
 
-    # Llama's causal-LM head is reused as is: the base model is the only difference.
-    forward = LlamaForCausalLM.forward
+    # Llama's head, reused as is; on 5.24 `accepts_cache` keeps a cache its `deprecate_kwarg` would drop (see there).
+    forward = accepts_cache(LlamaForCausalLM.forward) if CACHE_ARGUMENT == "cache" else LlamaForCausalLM.forward
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """`generate()`'s own cache (dynamic, static, ...), with values stored once for SVFormer; a cache the user

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import huggingface_hub.hf_api
 import pytest
 import torch
 from huggingface_hub import HfApi, ModelCard, RepoUrl
@@ -333,3 +334,23 @@ def test_every_publishing_path_finishes_the_folder_the_same_way(tmp_path):
         assert ModelCard.load(tmp_path / folder / "README.md").data.library_name == "transformers"
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder)
         assert cache_of(loaded(torch.tensor([[1, 2, 3]]))) is not None
+
+
+def test_upload_folder_to_hub_skips_what_hf_upload_skips(monkeypatch, tmp_path):
+    """A folder from `hf download --local-dir` (`.cache/huggingface/`), a `.git`, bytecode and a staging file of an
+    interrupted `--refresh-code`: the upload holds what `HfApi.upload_folder` (`hf upload`) would, less the last 2."""
+    hub = _FakeHub(monkeypatch)
+    names = ["config.json", "model.safetensors", ".gitattributes", "sub/notes.txt", ".cache/huggingface/.gitignore",
+             ".cache/huggingface/download/model.safetensors.metadata", "sub/.cache/huggingface/lock", ".git/HEAD",
+             "__pycache__/modeling_resformer.cpython-311.pyc", ".modeling_resformer.py.ab12cd34.tmp"]
+    for name in names:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(name.encode())
+    resformer_hub.upload_folder_to_hub(tmp_path, "someone/folder")
+    monkeypatch.setattr(huggingface_hub.hf_api, "is_xet_available", lambda: False)  # its one-commit path, offline
+    HfApi().upload_folder(folder_path=tmp_path, repo_id="someone/folder")
+    ours, hf_upload = hub.commits
+    ours_only_skips = {"__pycache__/modeling_resformer.cpython-311.pyc", ".modeling_resformer.py.ab12cd34.tmp"}
+    assert set(ours) == set(hf_upload) - ours_only_skips
+    assert set(ours) == {"config.json", "model.safetensors", ".gitattributes", "sub/notes.txt"}
+    assert all(content == name.encode() for name, content in ours.items())

@@ -246,3 +246,28 @@ def test_loading_a_checkpoint_of_the_other_v_proj_layout_names_the_mismatch(tmp_
     with pytest.raises(ValueError, match=r"Variant mismatch: .*layers \[1, 2, 3\]"):
         ResFormerForCausalLM.from_pretrained(tmp_path, value_residual=loaded)
     assert ResFormerForCausalLM.from_pretrained(tmp_path).config.value_residual == saved
+
+
+@pytest.mark.parametrize("crop", [5, 8, 12, 0, -3, -8])
+def test_crop_is_all_or_nothing_with_the_rules_of_a_llama_cache(crop):
+    """`crop`'s rules differ across releases (5.19 keeps the first n tokens for a positive n, later releases refuse
+    it); whatever they are, the SVFormer cache ends like a Llama's: cropped everywhere, or refused with nothing cut."""
+    model = svformer()
+    tokens = torch.randint(3, 128, (2, 8))
+    ours = cache_of(model(tokens, use_cache=True))
+    theirs = cache_of(llama_like(model)(tokens, use_cache=True))
+    outcomes = []
+    for cache in (ours, theirs):
+        try:
+            cache.crop(crop)
+            outcomes.append(None)
+        except (ValueError, RuntimeError) as error:
+            outcomes.append(type(error))
+    assert outcomes[0] == outcomes[1]
+    length = theirs.get_seq_length()
+    assert all(layer.keys.shape[-2] == length for layer in ours.layers)
+    assert_values_shared(ours)
+    assert ours.layers[0].values.shape[-2] == length and ours.get_seq_length() == length
+    if 0 < length < 8:  # the kept tokens still decode like the uncached model
+        logits = model(tokens[:, length:], **with_cache(ours), use_cache=True).logits
+        assert (logits - model(tokens).logits[:, length:]).abs().max() < 1e-5

@@ -98,6 +98,20 @@ def test_release_table_lists_every_minor_release_of_the_tested_range():
     assert [release.rpartition(".")[0] for release in listed] == [f"5.{minor}" for minor in range(oldest, newest + 1)]
 
 
+
+def test_the_torch_floor_is_the_torch_ci_tests_at_both_ends():
+    """setup.cfg's `torch>=X.Y`, the README's requirement and the oldest virtualenv of "Run the tests" (which .ci/run
+    runs) name the same torch; the newest one is tested there too (issue 27: 2.6 was admitted, never tested)."""
+    setup = configparser.ConfigParser()
+    setup.read(REPO / "setup.cfg")
+    (floor,) = [req.removeprefix("torch>=") for req in setup["options"]["install_requires"].split()
+                if req.startswith("torch>=")]
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"torch ≥ {floor} (CI runs the core tests on {floor}.0 with transformers {OLDEST_RELEASE}" in readme
+    assert f'.venv/oldest/bin/pip install "torch=={floor}.0" "transformers=={OLDEST_RELEASE}"' in readme
+    assert '.venv/newest/bin/pip install "torch==2.14.1"' in readme
+    assert f"torch {floor} to 2.14 are tested" in readme
+
 @pytest.mark.slow
 def test_remote_code_under_transformers_4_57_fails_with_one_line(tmp_path):
     """A real transformers 4.57 (the one `optimum-cli export onnx` installs), fetched into the test cache."""
@@ -150,17 +164,28 @@ def test_generate_that_passes_the_cache_under_a_new_name_fails_instead_of_genera
         model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
 
 
-def test_both_cache_names_at_once_are_never_both_used():
-    """5.24 keeps `cache` and warns, as for Llama (transformers' own deprecation); before 5.24 it is an error."""
+def test_two_caches_under_both_names_are_refused():
+    """transformers' `deprecate_kwarg` (5.24, Llama) would keep `cache` and drop the other with a warning."""
     model = model_with_random_lambdas(tiny_config())
     kept, dropped = DynamicCache(config=model.config), DynamicCache(config=model.config)
-    if _compat.CACHE_RENAMED:
-        with pytest.warns(FutureWarning, match="Both `past_key_values` and `cache` are set"):
-            model.model(torch.tensor([[5, 6]]), cache=kept, past_key_values=dropped, use_cache=True)
-        assert (kept.get_seq_length(), dropped.get_seq_length()) == (2, 0)
-    else:
-        with pytest.raises(ValueError, match="not both"):
-            model.model(torch.tensor([[5, 6]]), cache=kept, past_key_values=dropped, use_cache=True)
+    with pytest.raises(ValueError, match="not both"):
+        model.model(torch.tensor([[5, 6]]), cache=kept, past_key_values=dropped, use_cache=True)
+    assert (kept.get_seq_length(), dropped.get_seq_length()) == (0, 0)
+
+
+@pytest.mark.parametrize("variant", ["learnable_plus", "svformer"])
+def test_a_cache_as_past_key_values_next_to_cache_none_is_used(variant):
+    """What PEFT 0.21's prefix tuning passes on 5.24 (`cache=None, past_key_values=C`): a Llama computes without C
+    (`deprecate_kwarg` keeps `cache=None`); a ResFormer uses C, so decoding matches the uncached model."""
+    model = model_with_random_lambdas(tiny_config(variant))
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    cache = DynamicCache(config=model.config)
+    model(tokens[:, :4], use_cache=True, **with_cache(cache))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`past_key_values` is deprecated", FutureWarning)  # 5.24's rename
+        step = model(tokens[:, 4:], use_cache=True, cache=None, past_key_values=cache).logits
+    assert cache.get_seq_length() == 6
+    assert (step - model(tokens).logits[:, 4:]).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from ..configuration_resformer import DEFAULT_CONVERSION_VARIANT, convertible_variants
 from ..conversion import DTYPES, INITS, convert_llama_checkpoint
-from ..hub import refresh_remote_code
+from ..refresh_code import refresh_remote_code
 from .common import OneLineParser, add_debug_flag, run_command
 
 PROG = "resformer-convert"
@@ -21,9 +21,23 @@ class _ConvertParser(OneLineParser):
         parsed = super().parse_args(args, namespace)
         if parsed.refresh_code is not None and (parsed.src is not None or parsed.dst is not None):
             self.error("--refresh-code FOLDER takes no SRC or DST: it changes FOLDER's code in place")
+        if parsed.refresh_code is not None:
+            given = [flag for flag, dest in _CONVERSION_FLAGS.items() if getattr(parsed, dest) not in (None, False)]
+            if given:
+                self.error(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --refresh-code, "
+                           "which only replaces a folder's code; drop them")
         if parsed.refresh_code is None and parsed.dst is None:
             self.error(f"the following arguments are required: {'SRC, DST' if parsed.src is None else 'DST'}")
+        if parsed.variant is None:
+            parsed.variant = DEFAULT_CONVERSION_VARIANT
+        if parsed.init is None:
+            parsed.init = "preserve"
         return parsed
+
+
+# Flags that only a conversion reads (defaults None/False, so that giving one with --refresh-code is noticed).
+_CONVERSION_FLAGS = {"--variant": "variant", "--init": "init", "--dtype": "dtype", "--overwrite": "overwrite",
+                     "--allow-pickle": "allow_pickle", "--verify": "verify", "--no-progress": "no_progress"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--refresh-code", metavar="FOLDER",
                         help="instead of converting: replace the remote code (*.py, config.json's auto_map) of a "
                         "ResFormer folder written by an older plugin with this one's, in place; weights untouched")
-    parser.add_argument("--variant", choices=convertible_variants(), default=DEFAULT_CONVERSION_VARIANT,
+    parser.add_argument("--variant", choices=convertible_variants(), default=None,
                         help=f"value-residual variant (default: {DEFAULT_CONVERSION_VARIANT})")
-    parser.add_argument("--init", choices=INITS, default="preserve",
+    parser.add_argument("--init", choices=INITS, default=None,
                         help="preserve: λ start where outputs equal the source's (learnable variants only); "
                         "paper: the paper's initial values, outputs change (default: preserve)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None,
