@@ -399,6 +399,7 @@ def test_svformer_cache_benchmark_end_to_end(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+@pytest.mark.slow  # the conversion runs in a fresh process (torch + transformers imports), as the benchmark's does
 def test_conversion_benchmark_measures_a_tiny_checkpoint(tmp_path, monkeypatch):
     """The converter writes exactly the source's bytes plus the learnable λ (2 float32 per receiving layer); the
     report states it and the goal lines."""
