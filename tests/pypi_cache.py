@@ -2,7 +2,9 @@
 sdist whose tests/ holds the common model test mixins), fetched with pip once into a cache directory.
 
 The cache is `$RESFORMER_TEST_CACHE`, by default `~/.cache/resformer-hf-tests`; each entry is complete or absent
-(fetched into a temporary directory, renamed into place). Without network the callers skip, naming what is missing.
+(fetched into a temporary directory, renamed into place). When pip cannot fetch a package, callers go through
+`unavailable`: a skip naming what is missing outside CI, a failure in CI (`CI` set), so that the tests a download
+guards (thousands of mixin subtests, the cross-release checks) never vanish from CI unnoticed.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
+
+import pytest
 
 CACHE_DIR = Path(os.environ.get("RESFORMER_TEST_CACHE", Path.home() / ".cache" / "resformer-hf-tests"))
 
@@ -65,4 +70,17 @@ def pip_sdist(name: str, requirement: str, timeout: int = 600) -> Path:
                                                "--dest", str(directory), requirement, timeout=timeout))
 
 
-__all__ = ["CACHE_DIR", "FetchError", "cached", "pip_sdist", "pip_target"]
+def in_ci() -> bool:
+    """Whether this run is CI's: `CI` set to anything but empty, 0 or false (CI services set it; so does `.ci/run`)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
+
+
+def unavailable(what: str, error: FetchError) -> NoReturn:
+    """`what` could not be fetched: fail in CI (a download CI needs must not become a silent skip), skip elsewhere
+    with the reason. Usable at module level."""
+    if in_ci():
+        pytest.fail(f"{what}: {error} (CI is set, so a failed download fails instead of skipping)", pytrace=False)
+    pytest.skip(f"{what}: {error} (skipped because CI is unset; in CI this fails)", allow_module_level=True)
+
+
+__all__ = ["CACHE_DIR", "FetchError", "cached", "in_ci", "pip_sdist", "pip_target", "unavailable"]

@@ -365,6 +365,10 @@ def test_decode_benchmark_end_to_end(tmp_path):
     ops = {line.split(" | ")[0]: int(line.rstrip(" |").split(" | ")[-1]) for line in table.splitlines()
            if line.startswith("| ") and line.rstrip(" |").split(" | ")[-1].lstrip("+-").isdigit()}
     assert ops["| Llama again (noise floor)"] == 0 and ops["| `svformer`"] < 0 < ops["| `dense`"]
+    ratios = [float(cell.strip("* ").split()[0]) for line in table.splitlines() if line.startswith("| ")
+              and not line.startswith("| variant") for cell in line.strip(" |").split(" | ")[1:3]
+              if cell.strip("* ")[:1].isdigit()]
+    assert ratios and all(0 < ratio < 100 for ratio in ratios), ratios  # every timing ratio written and finite
 
 
 def test_cost_benchmark_end_to_end(tmp_path):
@@ -382,6 +386,12 @@ def test_cost_benchmark_end_to_end(tmp_path):
             or line.startswith("| Llama again")}
     decode_ops = {name: int(cells[7].split(",")[0]) for name, cells in rows.items()}
     assert decode_ops["| Llama again (noise floor)"] == 0 and decode_ops["| `svformer`"] < 0 < decode_ops["| `dense`"]
+    # A second, identical Llama: every exact column is exactly Llama's (memory, bytes written, parameters).
+    again = [cell.strip(" |*") for cell in rows["| Llama again (noise floor)"]]
+    assert (again[2], again[5:8], again[8]) == ("1.000", ["+0, 1.0000"] * 3, "1.000"), again
+    assert all(0 < float(cell.split()[0]) for cell in (again[1], again[3], again[4]))  # timed ratios: positive
+    svformer = [cell.strip(" |*") for cell in rows["| `svformer`"]]
+    assert float(svformer[2]) < 1 and float(svformer[8]) < 1  # no v_proj in layer 1: less memory, fewer parameters
     assert (out / "cost.png").stat().st_size > 0
 
 
@@ -393,3 +403,70 @@ def test_study_flags_errors():
     with pytest.raises(SystemExit):
         bench_uptrain.parse_args(["--arms", "learnable-preserve"])  # no Llama to compare with
     assert study_training.ModelSize(128, 6, 4).intermediate == 352
+
+
+# ---- smoke tests of the remaining benchmark scripts: each on a tiny setting, its numbers' invariants asserted ----
+
+
+@pytest.mark.slow  # three fresh processes for generate()'s peak memory: ~1 min idle, 3 min on a busy machine
+def test_svformer_cache_benchmark_end_to_end(tmp_path):
+    """Cache bytes are exact: Llama and learnable_plus hold 2L tensors per token, SVFormer L + 1, so its ratio is
+    (L+1)/(2L) to the digit and learnable_plus's 1; every measured ratio of a model to itself is 1."""
+    import bench_svformer_cache
+
+    out = tmp_path / "svformer_cache"
+    bench_svformer_cache.main(["--hidden", "32", "--layers", "4", "--head-dim", "8", "--vocab-size", "64",
+                               "--contexts", "8", "--new-tokens", "3", "--repeats", "1", "--threads", "1",
+                               "--output", str(out), "--no-readme"])
+    rows = {(cells[0], cells[1]): cells for cells in
+            ([cell.strip() for cell in line.strip("|").split("|")]
+             for line in out.with_suffix(".md").read_text().splitlines() if line.startswith("| 8 |"))}
+    assert set(rows) == {("8", "llama"), ("8", "learnable_plus"), ("8", "svformer")}, rows
+    tokens = 8 + 3 - 1  # the last generated token is never cached
+    llama_bytes = 2 * 4 * 1 * 4 * tokens * 8 * 4  # K and V × layers × batch × kv heads × tokens × head dim × fp32
+    assert float(rows["8", "llama"][2]) == pytest.approx(llama_bytes / 2**20, abs=0.005)
+    assert [rows["8", "llama"][i] for i in (3, 5, 7, 9)] == ["1.0000", "1.000", "1.000", "1.000"]
+    assert rows["8", "learnable_plus"][3] == "1.0000" and rows["8", "svformer"][3] == f"{5 / 8:.4f}"
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.slow  # the conversion runs in a fresh process (torch + transformers imports), as the benchmark's does
+def test_conversion_benchmark_measures_a_tiny_checkpoint(tmp_path, monkeypatch):
+    """The converter writes exactly the source's bytes plus the learnable λ (2 float32 per receiving layer); the
+    report states it and the goal lines."""
+    import argparse
+
+    import bench_conversion
+
+    size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=64, dtype="bfloat16")
+    row = bench_conversion.measure(tmp_path / "work", size, shard_mb=1, repeats=1, seed=0)
+    shapes = bench_conversion.tensor_shapes(size)
+    source_bytes = sum(math.prod(shape) * 2 for _, shape in shapes)
+    assert row["written"] == source_bytes + 2 * (3 - 1) * 4
+    assert row["tensors"] == len(shapes) + 2
+    assert row["shards"] == 1 and row["largest"] > source_bytes
+    assert row["peak"] >= row["after_imports"] > 0 and row["convert_s"] > 0 and row["copy_s"] > 0
+    assert not list((tmp_path / "work").iterdir())  # the synthetic checkpoint and its copies are deleted
+    monkeypatch.setattr(bench_conversion, "RESULTS_DIR", tmp_path / "results")
+    params = sum(math.prod(shape) for _, shape in shapes)
+    bench_conversion.write_results([row], size, params, argparse.Namespace(repeats=1), torch.device("cpu"))
+    assert "| 1 |" in (tmp_path / "results" / "conversion.md").read_text()
+
+
+def test_vllm_benchmark_end_to_end(tmp_path):
+    """Serving throughput and KV bytes per token through vLLM; runs where vLLM is installed (`.ci/serving`). Llama's
+    ratio to itself is exactly 1, and the same-size models (a second Llama, learnable_plus) get Llama's KV bytes."""
+    pytest.importorskip("vllm", reason="bench_vllm.py needs vLLM (its own virtualenv, see .ci/serving)")
+    import bench_vllm
+
+    out = tmp_path / "vllm.md"
+    bench_vllm.main(["--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab-size", "128",
+                     "--batches", "1", "--new-tokens", "4", "--prompt-tokens", "4", "--rounds", "1",
+                     "--kv-cache-mib", "8", "--output", str(out)])
+    rows = {cells[1]: cells for cells in (line.strip("| ").split(" | ") for line in out.read_text().splitlines()
+                                          if line.startswith("| 1 |"))}
+    assert set(rows) == set(bench_vllm.MODELS), rows
+    assert rows["llama"][4] == "1.000" and rows["llama"][7] == "1.000"
+    assert rows["llama_2"][7] == rows["learnable_plus"][7] == "1.000"
+    assert all(float(cells[2]) > 0 for cells in rows.values())

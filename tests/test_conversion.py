@@ -126,11 +126,9 @@ def test_preserving_conversion_matches_source(sources, tmp_path, kind, variant):
     assert isinstance(converted, ResFormerForCausalLM) and converted.config.value_residual == variant
     assert converted.dtype == expected.dtype  # bf16 stays bf16
     actual = logits_of(dst, ids)
-    if expected.dtype == torch.float32:
-        assert (actual - expected).abs().max().item() <= 1e-5
-    else:
-        assert torch.equal(actual.argmax(-1), expected.argmax(-1))
-        assert (actual.float() - expected.float()).abs().max().item() <= 1e-2
+    # Exact in every dtype: the weights are copied bit for bit and λ = (0, 1) mixes with exact multiplies by 0 and 1.
+    # (Scaling the bf16 weights by 1.01 in the writer moved the logits by only 0.004, under a 1e-2 tolerance.)
+    assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
 
     # The λ sit at the exact-Llama point and are written explicitly (no "newly initialised" keys on load).
     lambdas = converted.value_residual_lambdas()

@@ -203,16 +203,47 @@ def test_output_flags_follow_hf_conventions():
     assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.logits)
 
 
+#: bf16 logits vs float32 logits of the same weights (tiny models, |logits| <= 0.4): measured 0.0023-0.0037 over the
+#: variants; scaling λ_first by 0.7 in the bf16 pass moves them by 0.013 (dense) to 0.10, so 0.01 catches it.
+BF16_LOGITS_ATOL = 0.01
+
+
+def bf16_logits_error(loaded, model, input_ids) -> float:
+    """Largest |bf16 logits − float32 logits|: `loaded` is `model` reloaded in bfloat16 (λ in float32)."""
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        logits = loaded(input_ids).logits
+        assert logits.dtype == torch.bfloat16
+        return (logits.float() - model(input_ids).logits).abs().max().item()
+
+
 def test_lambdas_stay_float32_when_loading_in_bfloat16(tmp_path):
     model = randomised_model("learnable_plus")
     model.save_pretrained(tmp_path)
     loaded = ResFormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in loaded.model.value_residual.parameters())
+    lambda_first = loaded.value_residual_lambdas()[1:, 0]
+    assert (lambda_first.abs() > 0.5).all(), lambda_first  # the residual really mixes V_0 in
+    assert bf16_logits_error(loaded, model, torch.randint(3, 128, (1, 8))) <= BF16_LOGITS_ATOL
+
+
+@pytest.mark.parametrize("variant", ["learnable_plus", "constant", "neutreno"])
+def test_the_bf16_tolerance_catches_a_wrong_lambda_first(tmp_path, monkeypatch, variant):
+    """Regression for the tolerance itself: λ_first × 0.7 in the bf16 pass (no gradient) must fail the bf16 check."""
+    from resformer_hf.value_residual import ValueResidual
+
+    layer_mixes = ValueResidual.layer_mixes
+    model = randomised_model(variant)
     input_ids = torch.randint(3, 128, (1, 8))
-    logits = loaded(input_ids).logits
-    assert logits.dtype == torch.bfloat16
-    assert (logits.float() - model(input_ids).logits).abs().max().item() < 0.1
+    with torch.no_grad():
+        expected = model(input_ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = ResFormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    monkeypatch.setattr(ValueResidual, "layer_mixes",
+                        lambda self: tuple(mix._replace(first=mix.first * 0.7) for mix in layer_mixes(self)))
+    with torch.no_grad():
+        wrong = (loaded(input_ids).logits.float() - expected).abs().max().item()
+    assert wrong > 2 * BF16_LOGITS_ATOL, wrong
 
 
 def test_every_variant_loads_in_bfloat16_with_exact_lambdas(tmp_path, variant):
@@ -223,7 +254,7 @@ def test_every_variant_loads_in_bfloat16_with_exact_lambdas(tmp_path, variant):
     assert torch.equal(loaded.value_residual_lambdas(), model.value_residual_lambdas())
     assert torch.equal(loaded.model.value_residual(), model.model.value_residual())
     input_ids = torch.randint(3, 128, (1, 8))
-    assert (loaded(input_ids).logits.float() - model(input_ids).logits).abs().max().item() < 0.1
+    assert bf16_logits_error(loaded, model, input_ids) <= BF16_LOGITS_ATOL
 
 
 def test_heads_build_and_run(variant):

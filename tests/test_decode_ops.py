@@ -90,7 +90,8 @@ def test_the_training_mix_runs_exactly_when_a_gradient_can_be_wanted(case):
         model.model.value_residual.requires_grad_(True)
     if case == "one_v_proj":  # like a LoRA adapter on one projection
         model.model.layers[2].self_attn.v_proj.weight.requires_grad_(True)
-    embeds = model.model.embed_tokens(torch.randint(3, 128, (1, 7))).detach()
+    input_ids = torch.randint(3, 128, (1, 7))
+    embeds = model.model.embed_tokens(input_ids).detach()
     if case == "input_gradient":
         embeds.requires_grad_(True)
     with torch.set_grad_enabled(case != "no_grad"):
@@ -98,8 +99,9 @@ def test_the_training_mix_runs_exactly_when_a_gradient_can_be_wanted(case):
     training = case not in ("no_grad", "frozen")
     assert isinstance(resolved[-1], torch.Tensor) == training
     assert logits.requires_grad == training
-    with torch.no_grad():
-        assert (logits - model(inputs_embeds=embeds).logits).abs().max().item() <= 1e-5
+    # Against the independent reference, not the model's own no-grad path (which the no_grad/frozen cases run).
+    expected = reference_logits(model.config, {k: v.detach() for k, v in model.state_dict().items()}, input_ids)
+    assert (logits.detach() - expected).abs().max().item() <= 1e-5
 
 
 #: Input lengths on both sides of `BATCHED_SCALING_MAX_TOKENS`: V_0 scaled for every receiver at once, or by each.
@@ -236,11 +238,23 @@ def test_a_long_prefill_without_gradient_keeps_one_scaled_copy_of_the_first_valu
     finally:
         torch.set_num_threads(threads)
     extra = {variant: value - extra["llama"] for variant, value in extra.items()}
-    receivers = 5
-    for variant, spec in VARIANTS.items():
-        if spec.drops_value_projections:
-            assert extra[variant] < 0, extra
-        elif spec.keeps_every_layers_values:
-            assert extra[variant] <= receivers + 0.5, extra  # before: 2 × receivers (a new running mix per layer)
-        else:
-            assert extra[variant] <= 1.5, extra  # before: learnable λ kept `receivers` scaled copies of V_0 at once
+    assert set(PREFILL_V0_COPIES) == set(VARIANTS), "write down the new variant's copies of V_0"
+    for variant, copies in PREFILL_V0_COPIES.items():
+        assert extra[variant] <= copies + PREFILL_SLACK, (variant, extra)
+
+
+#: What the paper's arithmetic lets a 6-layer prefill without gradient hold beyond Llama, in V_0-sized tensors
+#: (5 receiving layers), written here rather than read from the package's variant flags, so a wrong flag cannot widen
+#: its own limit. Measured (seed 0): none −0.01, the V_0-mixing variants 1.01-1.22, dense 5.09, SVFormer −4.03.
+PREFILL_V0_COPIES = {
+    "none": 0,  # plain Llama
+    # V'_n = λ_first·V_0 + λ_self·V_n: one scaled V_0 live at a time (before: learnable λ kept all 5 at once)
+    "identity": 1, "constant": 1, "learnable": 1, "learnable_plus": 1, "sparse": 1,
+    "neutreno": 1,  # λ·(V_0 − V_n) after attention: λ·V_0 once
+    "dense": 5,  # V'_n = Σ_{j≤n} w_nj·V_j kept as one running mix per receiver (before: 2 × 5, a new mix per layer)
+    # no v_proj in layers 1..5: the cache ends with 5 fewer value tensors than Llama's; at the peak (before the
+    # last layer has run) at least 4 fewer
+    "svformer": -4,
+}
+#: Allocator noise above the copy counts (measured at most 0.23).
+PREFILL_SLACK = 0.5

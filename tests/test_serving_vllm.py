@@ -215,6 +215,26 @@ def _stop(process: subprocess.Popen) -> None:
         pass
 
 
+def served_token_ids(choice: dict) -> dict[str, list[int]]:
+    """The completion's token ids by where the server put them: `token_ids`, and/or the logprobs tokens written
+    as "token_id:N" (`return_tokens_as_token_ids`)."""
+    found = {}
+    if choice.get("token_ids") is not None:
+        found["token_ids"] = list(choice["token_ids"])
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if tokens:
+        assert all(token.startswith("token_id:") for token in tokens), tokens
+        found["logprobs"] = [int(token.removeprefix("token_id:")) for token in tokens]
+    return found
+
+
+def test_served_token_ids_are_read_from_either_field():
+    assert served_token_ids({"token_ids": [5, 6], "logprobs": {"tokens": ["token_id:5", "token_id:6"]}}) == {
+        "token_ids": [5, 6], "logprobs": [5, 6]}
+    assert served_token_ids({"token_ids": None, "logprobs": {"tokens": ["token_id:7"]}}) == {"logprobs": [7]}
+    assert served_token_ids({"text": "x"}) == {}
+
+
 def test_openai_server(served, tmp_path):
     """`vllm serve FOLDER --model-impl transformers --trust-remote-code` on 127.0.0.1 (plugin hidden) answers a
     completion request (temperature 0, 16 tokens) with `generate()`'s greedy text and tokens."""
@@ -253,8 +273,9 @@ def test_openai_server(served, tmp_path):
                 pass
             time.sleep(2)
         prompt = served["prompts"][2]
+        # Token ids two ways: `return_token_ids` (newer vLLM) and the logprobs tokens as "token_id:N" (older too)
         body = dict(model=str(folder), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                    return_token_ids=True)
+                    return_token_ids=True, logprobs=0, return_tokens_as_token_ids=True)
         answer = _post(f"{base}/v1/completions", body, timeout=120)
     finally:
         _stop(process)
@@ -262,6 +283,8 @@ def test_openai_server(served, tmp_path):
     expected = served["references"][name][2]
     choice = answer["choices"][0]
     assert choice["text"] == served["tokenizer"].decode(expected), (choice["text"], expected)
-    if choice.get("token_ids") is not None:
-        assert choice["token_ids"] == expected, (choice["token_ids"], expected)
+    returned = served_token_ids(choice)
+    assert returned, f"the server returned no token ids (neither token_ids nor logprobs tokens): {choice}"
+    for source, ids in returned.items():  # always compared: the text alone can hide a different tokenisation
+        assert ids == expected, (source, ids, expected)
     assert answer["usage"]["completion_tokens"] == MAX_TOKENS

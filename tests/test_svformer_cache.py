@@ -76,6 +76,16 @@ def test_dynamic_cache_bytes_follow_the_formula_and_decoding_matches_uncached(sh
     assert cache_nbytes(cache) / cache_nbytes(llama_cache) == (LAYERS + 1) / (2 * LAYERS)
 
 
+def test_the_readme_ratio_at_eight_layers_is_0_5625():
+    """The README's number, not only the formula at the suite's 4 layers: 9 tensors per token instead of 16."""
+    model = svformer(num_hidden_layers=8)
+    prompt = torch.randint(3, 128, (1, 5))
+    ours, theirs = (cache_nbytes(cache_of(m.generate(prompt, max_new_tokens=3, return_dict_in_generate=True,
+                                                     **GREEDY))) for m in (model, llama_like(model)))
+    assert ours == kv_bytes(1, 2, 7, 9) and theirs == kv_bytes(1, 2, 7, 16)
+    assert ours / theirs == 0.5625
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_generate_default_and_static_caches_store_values_once_and_match_uncached(shape):
     model = svformer(**SHAPES[shape])

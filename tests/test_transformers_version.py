@@ -7,7 +7,7 @@
 - Importing the plugin prints nothing beyond what importing transformers' Llama prints.
 
 The oldest release is fetched with pip into the test cache (`pypi_cache`) and run in fresh interpreters next to the
-installed one; the tests skip, naming it, when pip cannot fetch it.
+installed one; when pip cannot fetch it the tests fail in CI and skip, naming it, elsewhere (`pypi_cache.unavailable`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from resformer_hf._compat import OLDEST_SUPPORTED, UntestedTransformersWarning, 
 from resformer_hf.hub import finish_hub_folder
 
 from helpers import model_with_random_lambdas, run_fresh_python, tiny_config
-from pypi_cache import FetchError, pip_target
+from pypi_cache import FetchError, pip_target, unavailable
 
 COMPAT_FILE = Path(_compat.__file__)
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def oldest_release() -> Path:
     try:
         return pip_target(f"transformers-{OLDEST_RELEASE}", f"transformers=={OLDEST_RELEASE}")
     except FetchError as error:
-        pytest.skip(f"needs transformers {OLDEST_RELEASE} from PyPI: {error}")
+        unavailable(f"needs transformers {OLDEST_RELEASE} from PyPI", error)
 
 
 # ---- the range -----------------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_remote_code_under_transformers_4_57_fails_with_one_line(tmp_path):
     try:
         old = pip_target("transformers-4.57", "transformers==4.57.6", "huggingface_hub==0.36.2", "tokenizers==0.22.2")
     except FetchError as error:
-        pytest.skip(f"needs transformers 4.57 from PyPI: {error}")
+        unavailable("needs transformers 4.57 from PyPI", error)
     ResFormerForCausalLM(tiny_config()).save_pretrained(tmp_path / "folder")
     script = """
     import json, sys, transformers
@@ -383,3 +383,17 @@ def test_refresh_code_refuses_what_is_not_a_resformer_folder(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             convert_main(argv)
         assert exit_info.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.parametrize("ci", ["true", "1", None, "false"])
+def test_a_failed_download_fails_in_ci_and_skips_elsewhere(monkeypatch, ci):
+    from pypi_cache import unavailable
+
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    expected = pytest.fail.Exception if ci in ("true", "1") else pytest.skip.Exception
+    with pytest.raises(expected, match="needs a package: pip failed"):
+        unavailable("needs a package", FetchError("pip failed"))
+    assert "CI=" in (REPO / ".ci" / "run").read_text()  # CI's script sets it for every test run it starts
