@@ -56,25 +56,20 @@ def attend_over_shared_keys_values(
     return attention.o_proj(attn_output), attn_weights
 
 
-def check_key_value_projections(config, missing_keys, unexpected_keys) -> None:
-    """Refuse a checkpoint whose k_proj layout is another `cross_layer_attention`'s, instead of dropping its weights
-    or random-initialising missing ones."""
-    consumers = set(config.layers_reading_shared_keys_values)
-    extra = sorted({_layer_of(key) for key in unexpected_keys if ".self_attn.k_proj." in key} & consumers)
-    loaded = set(range(config.num_hidden_layers)) - {_layer_of(key) for key in missing_keys if ".q_proj." in key}
-    absent = sorted({_layer_of(key) for key in missing_keys if ".self_attn.k_proj." in key} & (loaded - consumers))
-    if extra or absent:
-        raise ValueError(
-            f"cross_layer_attention mismatch: the model has cross_layer_attention={config.cross_layer_attention} "
-            f"(no k_proj in layers {sorted(consumers)}), but the checkpoint "
-            + (f"has k_proj weights for layers {extra}" if extra else f"lacks k_proj weights for layers {absent}")
-            + ". Load it with the cross_layer_attention its config.json names."
-        )
+def share_key_value_projections(attention: nn.Module, config) -> None:
+    """Set up `attention` for cross-layer attention: a consumer (`reads_shared_keys_values`) loses `k_proj` and
+    `v_proj`; a layer whose next layer reads its K and V `hands_on_keys_values`."""
+    sources, layer = config.key_value_source_layers, attention.layer_idx
+    attention.reads_shared_keys_values = sources[layer] != layer
+    attention.hands_on_keys_values = layer + 1 < len(sources) and sources[layer + 1] == sources[layer]
+    if attention.reads_shared_keys_values:
+        attention.k_proj = attention.v_proj = None
 
 
-def _layer_of(key: str) -> int:
-    parts = key.split(".")
-    return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+def handed_on(attention: nn.Module, keys: torch.Tensor | None, values: torch.Tensor | None) -> tuple:
+    """What a layer hands the next one: the K and V it attended over when the next layer reads them, else nothing
+    (so that no layer keeps another's K and V alive for longer than needed)."""
+    return (keys, values) if attention.hands_on_keys_values else (None, None)
 
 
-__all__ = ["attend_over_shared_keys_values", "check_key_value_projections"]
+__all__ = ["attend_over_shared_keys_values", "handed_on", "share_key_value_projections"]

@@ -28,6 +28,13 @@ class DepthWeightedAverage(nn.Module):
         self.sources = depth_sources(num_layers, dilation)
         self.weight_offset = nn.Parameter(torch.zeros(num_layers, num_layers + 1, dtype=torch.float32))
 
+    @classmethod
+    def for_config(cls, config) -> DepthWeightedAverage | None:
+        """The module a model with `config` holds: one for DenseFormer, None for every other variant."""
+        if not config.value_residual_spec.depth_weighted_average:
+            return None
+        return cls(config.num_hidden_layers, config.denseformer_dilation_resolved)
+
     def weights(self) -> torch.Tensor:
         """α [L, L + 1] in float32 (offsets upcast first, as for the λ), masked to each row's sources."""
         rows = len(self.sources)

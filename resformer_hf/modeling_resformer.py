@@ -53,11 +53,11 @@ from ._compat import (
 )
 from .cache_resformer import new_dynamic_cache, share_cache_storage
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, ResFormerConfig
-from .cross_layer_kv import attend_over_shared_keys_values, check_key_value_projections
+from .cross_layer_kv import attend_over_shared_keys_values, handed_on, share_key_value_projections
 from .depth_weighted_average import DepthWeightedAverage
 from .fused_mixing import dense_values, project_and_mix_first
-from .loading import check_lambdas_are_finite, check_value_projections
-from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, gather_in_float32, is_pipeline_stage, refuse_pipeline_parallel
+from .loading import CheckpointChecks, modules_kept_in_float32
+from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, is_pipeline_stage
 from .peft_support import register_peft_target_modules
 from .value_residual import (
     LAMBDA_CHECKPOINT_CONVERSIONS,
@@ -99,12 +99,7 @@ class ResFormerAttention(LlamaAttention):
         self.extends_residual_values = layer_idx in sources and layer_idx < self.value_stack_rows
         if self.reuses_first_values:
             self.v_proj = None
-        # Cross-layer attention: a consumer attends over its group's first layer's K and V, which hands them on.
-        sources = config.key_value_source_layers
-        self.reads_shared_keys_values = sources[layer_idx] != layer_idx
-        self.hands_on_keys_values = layer_idx + 1 < len(sources) and sources[layer_idx + 1] == sources[layer_idx]
-        if self.reads_shared_keys_values:
-            self.k_proj = self.v_proj = None
+        share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
 
     def forward(
         self,
@@ -122,7 +117,7 @@ class ResFormerAttention(LlamaAttention):
         if self.reads_shared_keys_values:
             attn_output, attn_weights = attend_over_shared_keys_values(
                 self, hidden_states, *shared_keys_values, position_embeddings, attention_mask, **kwargs)
-            return attn_output, attn_weights, residual_values, self._handed_on(*shared_keys_values)
+            return attn_output, attn_weights, residual_values, shared_keys_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -176,10 +171,7 @@ class ResFormerAttention(LlamaAttention):
         else:
             attn_output = attn_output.reshape(*input_shape, -1).contiguous()
             attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights, residual_values, self._handed_on(key_states, value_states)
-
-    def _handed_on(self, keys: torch.Tensor, values: torch.Tensor) -> tuple:
-        return (keys, values) if self.hands_on_keys_values else (None, None)
+        return attn_output, attn_weights, residual_values, (key_states, value_states)
 
 
 class ResFormerDecoderLayer(GradientCheckpointingLayer):
@@ -212,7 +204,6 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Returns (hidden states, residual values, and with cross-layer attention the K and V for the next layer)."""
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _, residual_values, (shared_keys, shared_values) = self.self_attn(
@@ -233,11 +224,11 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
         hidden_states = residual + hidden_states
-        return hidden_states, residual_values, shared_keys, shared_values
+        return hidden_states, residual_values, *handed_on(self.self_attn, shared_keys, shared_values)
 
 
 @auto_docstring
-class ResFormerPreTrainedModel(PreTrainedModel):
+class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedModel):
     config: ResFormerConfig
     config_class = ResFormerConfig
     base_model_prefix = "model"
@@ -266,11 +257,7 @@ class ResFormerPreTrainedModel(PreTrainedModel):
             register_model_type_names()
             register_peft_target_modules()
         super().__init__(config, *inputs, **kwargs)
-        spec = config.value_residual_spec  # only modules with parameters are kept in float32 on load
-        self._keep_in_fp32_modules_strict = [
-            name for name, present in (("value_residual", spec.learnable),
-                                       ("depth_weighted_average", spec.depth_weighted_average)) if present
-        ]
+        self._keep_in_fp32_modules_strict = modules_kept_in_float32(config)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -293,37 +280,6 @@ class ResFormerPreTrainedModel(PreTrainedModel):
         """
         return self.base_model.value_residual.lambda_table()
 
-    @classmethod
-    def prepare_distribute_model(cls, distributed_config, device_map=None):
-        """Refuse pipeline parallelism before anything is built (see `parallelism.PIPELINE_PARALLEL_UNSUPPORTED`).
-
-        A transformers hook (`DistributedMixin`): `from_pretrained` calls it with `distributed_config` (a
-        `DistributedConfig` or a dict) before it builds the device mesh and the model.
-        """
-        refuse_pipeline_parallel(distributed_config)
-        return super().prepare_distribute_model(distributed_config, device_map=device_map)
-
-    @classmethod
-    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision`
-        (`parallelism.gather_in_float32`). A transformers hook (`DistributedMixin`): `from_pretrained` calls it once
-        the model is built (on the meta device), before the weights are loaded."""
-        model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
-        if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
-            gather_in_float32(model.base_model.value_residual)
-        return model
-
-    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
-        """Refuse a checkpoint of another variant's v_proj layout, or with non-finite λ (`loading.py`).
-
-        A private transformers hook: `PreTrainedModel._finalize_model_loading` calls it once the weights are loaded
-        and missing ones initialised, which is when both checks can be made.
-        """
-        super()._adjust_missing_and_unexpected_keys(loading_info)
-        check_key_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
-        check_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
-        check_lambdas_are_finite(self.base_model.value_residual)
-
 
 @auto_docstring
 class ResFormerModel(ResFormerPreTrainedModel):
@@ -339,9 +295,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.value_residual = ValueResidual(config)
-        if config.value_residual_spec.depth_weighted_average:  # DenseFormer
-            self.depth_weighted_average = DepthWeightedAverage(
-                config.num_hidden_layers, config.denseformer_dilation_resolved)
+        self.depth_weighted_average = DepthWeightedAverage.for_config(config)  # DenseFormer only, else None
         self.gradient_checkpointing = False
 
         self.post_init()
@@ -393,8 +347,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         value_weights = self.value_residual(inference=not needs_value_gradients(self, inputs_embeds))
         residual_values = shared_keys = shared_values = None
-        depth = getattr(self, "depth_weighted_average", None)
-        stream = depth.begin(hidden_states) if depth is not None else None
+        stream = self.depth_weighted_average.begin(hidden_states) if self.depth_weighted_average else None
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, residual_values, shared_keys, shared_values = decoder_layer(
