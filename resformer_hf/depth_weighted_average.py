@@ -25,7 +25,7 @@ class DepthWeightedAverage(nn.Module):
 
     def __init__(self, num_layers: int, dilation: int = 1):
         super().__init__()
-        self.sources = depth_sources(num_layers, dilation)
+        self.sources, self.dilation = depth_sources(num_layers, dilation), dilation
         self.weight_offset = nn.Parameter(torch.zeros(num_layers, num_layers + 1, dtype=torch.float32))
 
     @classmethod
@@ -37,12 +37,11 @@ class DepthWeightedAverage(nn.Module):
 
     def weights(self) -> torch.Tensor:
         """α [L, L + 1] in float32 (offsets upcast first, as for the λ), masked to each row's sources."""
-        rows = len(self.sources)
-        identity = torch.eye(rows + 1, device=self.weight_offset.device, dtype=torch.float32).float()[1:]
-        mask = torch.zeros_like(identity)
-        for row, sources in enumerate(self.sources):
-            mask[row, sources] = 1.0
-        return (identity + self.weight_offset.float()) * mask
+        device, rows = self.weight_offset.device, len(self.sources)
+        block = torch.arange(1, rows + 1, device=device)[:, None]  # row r is block i = r + 1
+        source = torch.arange(rows + 1, device=device)[None, :]
+        mask = (source <= block) & ((block - source) % self.dilation == 0)
+        return ((source == block).float() + self.weight_offset.float()) * mask
 
     def begin(self, embeddings: torch.Tensor) -> DepthStream:
         """The running stream of one forward pass, starting at the embeddings `X_0`."""

@@ -69,6 +69,10 @@ def test_a_decode_step_dispatches_at_most_the_budgeted_ops_beyond_llama(variant)
     if variant == "none":
         assert extra == {8: 0, 12: 0}
         return
+    if VARIANTS[variant].depth_weighted_average:  # DenseFormer, per block: per source a weight select and a multiply,
+        averages = {n: sum(3 * (i + 1) - 1 for i in range(1, n + 1)) for n in extra}  # and an add between (O(L²))
+        assert extra[8] - averages[8] == extra[12] - averages[12] <= 2 * PER_FORWARD, (extra, averages)
+        return
     per_layer = (extra[12] - extra[8]) / (receivers[12] - receivers[8])
     per_forward = extra[8] - per_layer * receivers[8]
     assert per_layer <= PER_LAYER.get(role, 1), (variant, extra, receivers)
@@ -242,5 +246,7 @@ def test_a_long_prefill_without_gradient_keeps_one_scaled_copy_of_the_first_valu
             assert extra[variant] < 0, extra
         elif spec.keeps_every_layers_values:
             assert extra[variant] <= receivers + 0.5, extra  # before: 2 × receivers (a new running mix per layer)
+        elif spec.depth_weighted_average:  # DenseFormer's formulation: every block output, 2 V_0's each at TINY
+            assert extra[variant] <= 2 * receivers + 0.5, extra
         else:
             assert extra[variant] <= 1.5, extra  # before: learnable λ kept `receivers` scaled copies of V_0 at once
