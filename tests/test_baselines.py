@@ -239,3 +239,41 @@ def test_save_and_load_round_trip_is_bit_exact_and_a_wrong_layout_is_named(tmp_p
 def test_invalid_fields_are_refused_by_name(fields, message):
     with pytest.raises(ValueError, match=message):
         ResFormerConfig(**{**TINY, **fields})
+
+
+@pytest.mark.slow
+def test_trainer_and_lora_train_the_depth_weights_with_cross_layer_attention(tmp_path):
+    """The stock Trainer lowers the loss and moves DenseFormer's depth weights; with LoRA, `LAMBDA_MODULES` trains them
+    in the adapter, which saves and reloads them."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer, default_data_collator
+
+    from resformer_hf import LAMBDA_MODULES
+
+    from helpers import build_model, example_data, step_losses, training_arguments
+
+    tokenizer, dataset = example_data()
+    fields = dict(value_residual="denseformer", cross_layer_attention=2, num_hidden_layers=4)
+    model = build_model(len(tokenizer), **fields)
+    before = model.model.depth_weighted_average.weights().detach().clone()
+    trainer = Trainer(model=model, args=training_arguments(tmp_path / "full", max_steps=8, learning_rate=1e-2),
+                      train_dataset=dataset, data_collator=default_data_collator)
+    trainer.train()
+    losses = step_losses(trainer)
+    assert losses[-1] < losses[0] - 0.1
+    assert (model.model.depth_weighted_average.weights() - before).abs().max() > 1e-3
+
+    base = build_model(len(tokenizer), **fields)
+    base.save_pretrained(tmp_path / "base")
+    peft_model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", r=4, modules_to_save=LAMBDA_MODULES))
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in name}
+    assert trainable == {"base_model.model.model.depth_weighted_average.modules_to_save.default.weight_offset"}
+    Trainer(model=peft_model, args=training_arguments(tmp_path / "lora", max_steps=4, learning_rate=1e-2),
+            train_dataset=dataset, data_collator=default_data_collator).train()
+    probe = torch.tensor(dataset[-4:]["input_ids"])
+    with torch.no_grad():
+        adapted = peft_model(input_ids=probe).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=probe).logits, adapted, rtol=0, atol=1e-6)
