@@ -277,3 +277,12 @@ def test_trainer_and_lora_train_the_depth_weights_with_cross_layer_attention(tmp
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=probe).logits, adapted, rtol=0, atol=1e-6)
+
+
+def test_the_model_card_names_the_baseline_and_the_shared_layers():
+    from resformer_hf.model_card import build_model_card
+
+    card = build_model_card(tiny_config("denseformer", cross_layer_attention=2)).content
+    assert "**DenseFormer**" in card and "depth-weighted average" in card
+    assert "| cross-layer attention (CLA) | groups of 2 layers" in card and "layers 1, 3 have no `k_proj`" in card
+    assert "cross-layer attention" not in build_model_card(tiny_config("denseformer")).content
