@@ -286,3 +286,25 @@ def test_the_model_card_names_the_baseline_and_the_shared_layers():
     assert "**DenseFormer**" in card and "depth-weighted average" in card
     assert "| cross-layer attention (CLA) | groups of 2 layers" in card and "layers 1, 3 have no `k_proj`" in card
     assert "cross-layer attention" not in build_model_card(tiny_config("denseformer")).content
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["svformer_cla2", "denseformer_cla2"])
+def test_compiled_static_generate_captures_one_graph_with_the_eager_tokens(case):
+    from transformers import CompileConfig
+
+    network = model(CLA[case])
+    prompt = torch.randint(3, 128, (2, 6))
+    eager = network.generate(prompt, max_new_tokens=8, cache_implementation="static", **GREEDY)
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):  # dynamo's full-graph capture, without inductor's build
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    compile_config = CompileConfig(backend=counting_backend, fullgraph=True, mode=None)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    compiled = network.generate(prompt, max_new_tokens=8, cache_implementation="static",
+                                compile_config=compile_config, **GREEDY)
+    assert graphs and torch.equal(compiled, eager)
