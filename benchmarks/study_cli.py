@@ -88,7 +88,8 @@ def budget_from_args(args: argparse.Namespace, tokens: int | None = None) -> Bud
 
 def size_from_args(args: argparse.Namespace, **overrides) -> ModelSize:
     fields = dict(hidden_size=args.hidden_size, layers=args.layers, heads=args.heads,
-                  kv_heads=getattr(args, "kv_heads", None), intermediate_size=args.intermediate_size)
+                  kv_heads=getattr(args, "kv_heads", None), intermediate_size=args.intermediate_size,
+                  cross_layer_attention=getattr(args, "cross_layer_attention", None))
     fields.update(overrides)
     return ModelSize(**fields)
 

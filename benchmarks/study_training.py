@@ -23,6 +23,7 @@ class ModelSize:
     heads: int
     kv_heads: int | None = None  # None: multi-head attention
     intermediate_size: int | None = None  # None: 8/3 of hidden, a multiple of 32
+    cross_layer_attention: int | None = None  # ResFormer configs only: layers per group sharing K and V (CLA)
 
     @property
     def intermediate(self) -> int:
@@ -30,12 +31,14 @@ class ModelSize:
 
     def describe(self) -> str:
         kv = "" if self.kv_heads in (None, self.heads) else f" ({self.kv_heads} kv)"
-        return f"hidden {self.hidden_size}, {self.layers} layers, {self.heads} heads{kv}, MLP {self.intermediate}"
+        cla = f", CLA{self.cross_layer_attention}" if (self.cross_layer_attention or 1) > 1 else ""
+        return f"hidden {self.hidden_size}, {self.layers} layers, {self.heads} heads{kv}{cla}, MLP {self.intermediate}"
 
     def fields(self, data: Data, seq_len: int) -> dict:
         """Keyword arguments of `common.build_model` for this size and the data's tokenizer."""
         tokenizer = data.tokenizer
-        return dict(
+        cla = {"cross_layer_attention": self.cross_layer_attention} if self.cross_layer_attention else {}
+        return cla | dict(
             vocab_size=data.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads,
             num_key_value_heads=self.kv_heads or self.heads, max_position_embeddings=seq_len, tie_word_embeddings=True,

@@ -1,12 +1,13 @@
-"""SVFormer's KV cache: keys for every layer, values once.
+"""SVFormer's KV cache (keys for every layer, values once) and cross-layer attention's (K and V per layer group).
 
 In SVFormer every layer n >= 1 attends over layer 0's values V_0 of the same tokens, so a cache that stores values per
 layer holds L - 1 identical copies. Following transformers' cross-layer KV sharing (gemma4: a producer layer stores,
 consumer layers reuse), layer 0 keeps a stock `DynamicLayer` / `StaticLayer` and every later layer gets a keys-only
 layer whose `values` ARE layer 0's tensor. The caches stay the stock `DynamicCache` / `StaticCache` objects, so
 `generate()`'s cache operations (beam reordering, `crop`, batch select/repeat, `torch.compile` on a static cache) work
-unchanged. This file is copied next to `config.json` for `trust_remote_code`, so it imports only torch and
-transformers.
+unchanged. Cross-layer attention (CLA) goes one step further: a layer that attends over an earlier layer's K and V gets
+a layer that stores nothing and reads both from its producer. This file is copied next to `config.json` for
+`trust_remote_code`, so it imports only torch and transformers.
 """
 
 from __future__ import annotations
@@ -180,16 +181,138 @@ def share_first_layer_values(cache: Cache) -> Cache:
 
 def new_dynamic_cache(config: Any) -> DynamicCache:
     """The `DynamicCache` a model with `config` uses by default: values stored once when layers reuse V_0
-    (SVFormer)."""
-    cache = DynamicCache(config=config)
+    (SVFormer), keys and values once per layer group with cross-layer attention."""
+    return share_cache_storage(DynamicCache(config=config), config)
+
+
+class _ReadsProducerKeysValues:
+    """Mixin for the cache layer of a layer that attends over an earlier layer's keys and values (cross-layer
+    attention): it stores nothing; its keys, values, length and state are the producer's.
+
+    The model hands a consuming layer its producer's K and V directly and never updates this layer, so every cache
+    operation (reorder, crop, select, reset, offload) is the producer's to do and a no-op here. Assignments that the
+    base classes make on init (`None`, `False`, a fresh counter) are ignored.
+    """
+
+    keys_values_from: DynamicLayer | StaticLayer
+    supports_early_init = False  # `Cache.early_initialization` must not allocate buffers for it
+
+    def _from_producer(name: str):  # noqa: N805  (a property factory used in the class body)
+        def read(self):
+            return getattr(self.keys_values_from, name)
+
+        def write(self, value) -> None:  # the base classes' initial assignments; anything else is a bug
+            if value is not None and value is not False and name != "cumulative_length":
+                raise AttributeError(f"{type(self).__name__} stores nothing; its {name} are the producer layer's.")
+
+        return property(read, write)
+
+    keys = _from_producer("keys")
+    values = _from_producer("values")
+    is_initialized = _from_producer("is_initialized")
+    cumulative_length = _from_producer("cumulative_length")
+    del _from_producer
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        pass
+
+    def update(self, key_states=None, value_states=None, *args: Any, **kwargs: Any):
+        """Store nothing; the producer's keys and values (already updated by the producer in this forward pass)."""
+        return self.keys_values_from.keys, self.keys_values_from.values
+
+    def get_seq_length(self) -> int:
+        return self.keys_values_from.get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys_values_from.get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return self.keys_values_from.get_max_length()
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        pass
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        pass
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(keys_values_from={type(self.keys_values_from).__name__})"
+
+
+class SharedKeysValuesDynamicLayer(_ReadsProducerKeysValues, DynamicLayer):
+    """The dynamic cache layer of a cross-layer-attention consumer: nothing stored, the producer's K and V."""
+
+    def __init__(self, keys_values_from: DynamicLayer, **kwargs: Any):
+        self.keys_values_from = keys_values_from
+        super().__init__(**kwargs)
+
+
+class SharedKeysValuesStaticLayer(_ReadsProducerKeysValues, StaticLayer):
+    """The static cache layer of a cross-layer-attention consumer: no buffer, no counter, the producer's."""
+
+    def __init__(self, keys_values_from: StaticLayer, **kwargs: Any):
+        self.keys_values_from = keys_values_from
+        super().__init__(max_cache_len=keys_values_from.max_cache_len, **kwargs)
+
+
+_DYNAMIC_PRODUCERS = (DynamicLayer, SharedValuesDynamicLayer)
+_STATIC_PRODUCERS = (StaticLayer, SharedValuesStaticLayer)
+
+
+def share_cross_layer_keys_values(cache: Cache, source_layers: list[int]) -> Cache:
+    """Make every layer whose `source_layers` entry names an earlier layer (cross-layer attention) read that layer's
+    cache; returns `cache`. Like `share_first_layer_values`, only stock full-attention layers of an empty, not
+    offloaded cache are replaced; any other cache stays correct (the model never reads a consumer's cache layer)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or getattr(cache, "offloading", False) or cache.get_seq_length() > 0:
+        return cache
+    for index, source in enumerate(source_layers[: len(layers)]):
+        if source == index:
+            continue
+        producer, layer = layers[source], layers[index]
+        if type(producer) in _DYNAMIC_PRODUCERS and isinstance(layer, DynamicLayer) and type(layer) in (
+            *_DYNAMIC_PRODUCERS, SharedKeysValuesDynamicLayer
+        ):
+            layers[index] = SharedKeysValuesDynamicLayer(keys_values_from=producer)
+        elif type(producer) in _STATIC_PRODUCERS and type(layer) in _STATIC_PRODUCERS and (
+            layer.max_cache_len == producer.max_cache_len
+        ):
+            layers[index] = SharedKeysValuesStaticLayer(keys_values_from=producer)
+    return cache
+
+
+def share_cache_storage(cache: Cache, config: Any) -> Cache:
+    """Store in `cache` only what a model with `config` needs: V_0 once (SVFormer), K and V once per layer group
+    (cross-layer attention), or both; returns `cache`."""
     if getattr(config, "layers_without_value_projection", None):
         share_first_layer_values(cache)
+    if getattr(config, "layers_reading_shared_keys_values", None):
+        share_cross_layer_keys_values(cache, config.key_value_source_layers)
     return cache
 
 
 __all__ = [
+    "SharedKeysValuesDynamicLayer",
+    "SharedKeysValuesStaticLayer",
     "SharedValuesDynamicLayer",
     "SharedValuesStaticLayer",
     "new_dynamic_cache",
+    "share_cache_storage",
+    "share_cross_layer_keys_values",
     "share_first_layer_values",
 ]

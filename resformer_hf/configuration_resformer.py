@@ -41,8 +41,12 @@ DENSE = "dense"  # one learnable weight per (receiving layer, earlier layer)
 
 LAMBDA_FIRST, LAMBDA_SELF = "value_residual_lambda_first", "value_residual_lambda_self"
 LAMBDA_SCALE, NEUTRENO_LAMBDA, LAYERS = "value_residual_lambda_scale", "neutreno_lambda", "value_residual_layers"
+DENSEFORMER_DILATION = "denseformer_dilation"
 #: The optional value-residual fields of `ResFormerConfig`; each variant reads a subset.
-OPTIONAL_FIELDS = (LAYERS, LAMBDA_FIRST, LAMBDA_SELF, LAMBDA_SCALE, NEUTRENO_LAMBDA)
+OPTIONAL_FIELDS = (LAYERS, LAMBDA_FIRST, LAMBDA_SELF, LAMBDA_SCALE, NEUTRENO_LAMBDA, DENSEFORMER_DILATION)
+#: Cross-layer attention (Brandon et al., 2024): orthogonal to the variant, read by every model that allows it.
+CROSS_LAYER_ATTENTION = "cross_layer_attention"
+_POSITIVE_INT_FIELDS = (DENSEFORMER_DILATION, CROSS_LAYER_ATTENTION)
 _NUMBER_FIELDS = (LAMBDA_FIRST, LAMBDA_SELF, LAMBDA_SCALE, NEUTRENO_LAMBDA)
 
 
@@ -74,6 +78,11 @@ class ValueResidualVariant:
     convertible: bool = False  #: a Llama checkpoint determines every weight, so `resformer-convert` can make it
     preserving_fields: dict[str, float] | None = None  #: config fields that reproduce the source model exactly
     why_not_preserving: str = ""  #: said when a conversion asks to preserve outputs and it cannot
+    #: DenseFormer: after every block, a learned average of the embeddings and all block outputs so far
+    depth_weighted_average: bool = False
+    #: layers may attend over an earlier layer's K and V (`cross_layer_attention`); variants whose receiving layers
+    #: mix their own values cannot, since a layer without k_proj/v_proj has no values of its own
+    combines_with_cross_layer_attention: bool = False
 
     @property
     def learnable(self) -> bool:
@@ -98,7 +107,7 @@ VARIANTS: dict[str, ValueResidualVariant] = {
         ValueResidualVariant(
             "none", PLAIN, FIXED, (), 0.0, 1.0, "plain Llama (value residual off)",
             "The value residual is switched off: every layer attends over its own values, exactly like Llama.",
-            default_layers=lambda num_layers: [],
+            default_layers=lambda num_layers: [], combines_with_cross_layer_attention=True,
         ),
         ValueResidualVariant(
             "identity", MIX, FIXED, (LAYERS,), 0.5, 0.5, "ResFormer (identity)",
@@ -141,6 +150,7 @@ VARIANTS: dict[str, ValueResidualVariant] = {
             table_note="SVFormer layers n ≥ 1 have no `v_proj` and attend over V_0 itself.",
             convertible=True,
             why_not_preserving="it drops v_proj of layers n >= 1, so no setting reproduces the source",
+            combines_with_cross_layer_attention=True,
         ),
         ValueResidualVariant(
             "neutreno", CORRECT, FIXED, (LAYERS, NEUTRENO_LAMBDA), 0.4, 1.0, "NeuTRENO",
@@ -148,6 +158,15 @@ VARIANTS: dict[str, ValueResidualVariant] = {
             table_note="NeuTRENO adds `λ·(V_0 − V_n)` after attention; the table shows λ as λ_first and 1 − λ as "
             "λ_self.",
             lambda_first_field=NEUTRENO_LAMBDA,
+        ),
+        ValueResidualVariant(
+            "denseformer", PLAIN, FIXED, (DENSEFORMER_DILATION,), 0.0, 1.0, "DenseFormer",
+            "The DenseFormer baseline (Pagliardini et al., 2024): no value residual; after every block a learned "
+            "depth-weighted average of the embeddings and all block outputs so far, started as the plain residual "
+            "stream.",
+            table_note="DenseFormer has no value residual; its depth weights are `model.depth_weighted_average`.",
+            default_layers=lambda num_layers: [], depth_weighted_average=True, convertible=True,
+            preserving_fields={}, combines_with_cross_layer_attention=True,
         ),
     )
 }
@@ -179,6 +198,9 @@ def _checked_field(name: str, value):
     if name == "value_residual":
         if not isinstance(value, str) or value not in VARIANTS:
             raise ValueError(f"value_residual={value!r} is not a known variant; use one of {', '.join(VARIANTS)}.")
+    elif name in _POSITIVE_INT_FIELDS and value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer (or None for the default, 1).")
     elif name in _NUMBER_FIELDS and value is not None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name}={value!r} must be a number (or None for the variant's default).")
@@ -209,7 +231,8 @@ class ResFormerConfig(LlamaConfig):
             `"learnable"` (per-layer learnable pair), `"learnable_plus"` (`λ_first = λ_scale·softmax(logits)` over the
             receiving layers, shared learnable `λ_scale`; the paper's best), `"sparse"` (fixed pair on a few late
             layers), `"dense"` (learnable weights on the values of every earlier layer), `"svformer"` (layers n >= 1
-            have no `v_proj` and attend over `V_0`) or `"neutreno"` (the baseline `A_n V_n + λ(V_0 - V_n)`).
+            have no `v_proj` and attend over `V_0`), `"neutreno"` (the baseline `A_n V_n + λ(V_0 - V_n)`) or
+            `"denseformer"` (the DenseFormer baseline: no value residual, depth-weighted averages of block outputs).
         value_residual_layers (`list[int]`, *optional*):
             The layers that receive `V_0` (each in `1 .. num_hidden_layers - 1`). Defaults to every layer n >= 1, and
             for `"sparse"` to the last ⌈3L/8⌉ layers. Not read by `"none"` and `"svformer"`.
@@ -223,6 +246,13 @@ class ResFormerConfig(LlamaConfig):
             Initial shared λ_scale of `"learnable_plus"`; defaults to `num_hidden_layers`.
         neutreno_lambda (`float`, *optional*):
             λ of the `"neutreno"` baseline (default 0.4).
+        denseformer_dilation (`int`, *optional*):
+            Dilation of the `"denseformer"` baseline: the average after block i reads only block outputs j with
+            `(i - j) % dilation == 0` (default 1: every block output).
+        cross_layer_attention (`int`, *optional*):
+            Cross-layer attention (CLA, Brandon et al. 2024): each group of this many consecutive layers attends over
+            the keys and values of its first layer, which alone has `k_proj`/`v_proj` and cache entries (2: CLA2,
+            half a Llama's KV cache). None or 1: off. Combines with `"none"`, `"svformer"` and `"denseformer"`.
 
     ```python
     >>> import resformer_hf
@@ -250,10 +280,12 @@ class ResFormerConfig(LlamaConfig):
     value_residual_lambda_self: float | int | None = None
     value_residual_lambda_scale: float | int | None = None
     neutreno_lambda: float | int | None = None
+    denseformer_dilation: int | None = None
+    cross_layer_attention: int | None = None
 
     def __setattr__(self, name: str, value) -> None:
         # Checked on every assignment, not only in __init__: `config.value_residual = "bogus"` fails here, by name.
-        if name == "value_residual" or name in OPTIONAL_FIELDS:
+        if name in ("value_residual", CROSS_LAYER_ATTENTION) or name in OPTIONAL_FIELDS:
             value = _checked_field(name, value)
         super().__setattr__(name, value)
 
@@ -266,7 +298,7 @@ class ResFormerConfig(LlamaConfig):
 
         Runs on construction and again when a model is built, so fields assigned after construction are checked too.
         """
-        for name in ("value_residual", *OPTIONAL_FIELDS):
+        for name in ("value_residual", CROSS_LAYER_ATTENTION, *OPTIONAL_FIELDS):
             _checked_field(name, getattr(self, name))
         spec = self.value_residual_spec
         for name in OPTIONAL_FIELDS:
@@ -280,6 +312,13 @@ class ResFormerConfig(LlamaConfig):
             raise ValueError(
                 f"value_residual={spec.name!r} needs num_hidden_layers >= 2 (got {self.num_hidden_layers}): layer 0 "
                 "provides the values that the later layers reuse."
+            )
+        if (self.cross_layer_attention or 1) > 1 and not spec.combines_with_cross_layer_attention:
+            users = [v for v, other in VARIANTS.items() if other.combines_with_cross_layer_attention]
+            raise ValueError(
+                f"cross_layer_attention={self.cross_layer_attention} does not combine with value_residual="
+                f"{spec.name!r}: its layers mix their own values, and a layer that reads another layer's K and V has "
+                f"none. Leave cross_layer_attention unset, or use one of: {', '.join(users)}."
             )
         if self.value_residual_layers is not None:
             layers = list(self.value_residual_layers)
@@ -333,6 +372,22 @@ class ResFormerConfig(LlamaConfig):
     def layers_without_value_projection(self) -> list[int]:
         """Layers that have no `v_proj` because they attend over layer 0's values (SVFormer)."""
         return [layer for layer, role in enumerate(self.value_residual_layer_roles) if role == REUSE]
+
+    @property
+    def key_value_source_layers(self) -> list[int]:
+        """For each layer, the layer whose keys and values it attends over: itself, or with cross-layer attention
+        the first layer of its group."""
+        group = self.cross_layer_attention or 1
+        return [layer - layer % group for layer in range(self.num_hidden_layers)]
+
+    @property
+    def layers_reading_shared_keys_values(self) -> list[int]:
+        """Layers without `k_proj`/`v_proj` that attend over an earlier layer's keys and values (CLA)."""
+        return [layer for layer, source in enumerate(self.key_value_source_layers) if source != layer]
+
+    @property
+    def denseformer_dilation_resolved(self) -> int:
+        return self.denseformer_dilation or 1
 
     @property
     def value_residual_lambda_first_resolved(self) -> float | None:

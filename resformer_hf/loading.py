@@ -21,7 +21,8 @@ def check_value_projections(config: ResFormerConfig, missing_keys, unexpected_ke
     SVFormer layers n >= 1 have no `v_proj`; every other variant has one. A mismatch means the checkpoint was
     trained as a different variant than the config says.
     """
-    without = set(config.layers_without_value_projection)
+    # Cross-layer attention's consumers have no v_proj either (`cross_layer_kv.check_key_value_projections`).
+    without = set(config.layers_without_value_projection) | set(config.layers_reading_shared_keys_values)
     extra = [layer for layer in _layers_with(unexpected_keys, "v_proj") if layer in without]
     if extra:
         raise ValueError(
@@ -51,6 +52,45 @@ def check_lambdas_are_finite(value_residual: nn.Module) -> None:
                 f"The checkpoint's model.value_residual.{name} holds NaN or infinite values, so the model would "
                 "output NaN. Load a healthy save of the checkpoint instead."
             )
+
+
+def check_key_value_projections(config: ResFormerConfig, missing_keys, unexpected_keys) -> None:
+    """Refuse a checkpoint whose k_proj layout is another `cross_layer_attention`'s, instead of dropping its weights
+    or random-initialising missing ones."""
+    consumers = set(config.layers_reading_shared_keys_values)
+    extra = [layer for layer in _layers_with(unexpected_keys, "k_proj") if layer in consumers]
+    loaded_layers = set(range(config.num_hidden_layers)) - set(_layers_with(missing_keys, "q_proj"))
+    absent = [layer for layer in _layers_with(missing_keys, "k_proj") if layer in loaded_layers - consumers]
+    if extra or absent:
+        found = f"has k_proj weights for layers {extra}" if extra else f"lacks k_proj weights for layers {absent}"
+        raise ValueError(
+            f"cross_layer_attention mismatch: the model has cross_layer_attention={config.cross_layer_attention} "
+            f"(no k_proj in layers {sorted(consumers)}), but the checkpoint {found}. Load it with the "
+            "cross_layer_attention its config.json names."
+        )
+
+
+def modules_kept_in_float32(config: ResFormerConfig) -> list[str]:
+    """The modules `from_pretrained` keeps in float32 whatever the dtype: those of the model that hold parameters
+    (the learnable λ, DenseFormer's depth weights)."""
+    spec = config.value_residual_spec
+    kept = (("value_residual", spec.learnable), ("depth_weighted_average", spec.depth_weighted_average))
+    return [name for name, present in kept if present]
+
+
+class CheckpointChecks:
+    """`ResFormerPreTrainedModel`'s override of transformers' loading hook: the checks above, once weights load."""
+
+    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
+        """Refuse a checkpoint of another variant's v_proj layout, or with non-finite λ (`loading.py`).
+
+        A private transformers hook: `PreTrainedModel._finalize_model_loading` calls it once the weights are loaded
+        and missing ones initialised, which is when both checks can be made.
+        """
+        super()._adjust_missing_and_unexpected_keys(loading_info)
+        check_key_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
+        check_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
+        check_lambdas_are_finite(self.base_model.value_residual)
 
 
 _PROJECTION_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.")

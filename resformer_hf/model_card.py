@@ -63,6 +63,15 @@ def _lambda_note(config: ResFormerConfig, given: bool) -> str:
     return f"{note} {spec.table_note}".strip()
 
 
+def _kv_sharing(config: ResFormerConfig) -> str | None:
+    """The card's cross-layer-attention row, or None when every layer has its own K and V."""
+    consumers = config.layers_reading_shared_keys_values
+    if not consumers:
+        return None
+    return (f"groups of {config.cross_layer_attention} layers attend over their first layer's K and V; layers "
+            f"{', '.join(map(str, consumers))} have no `k_proj`/`v_proj` and no cache entries")
+
+
 def _format_fact(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
@@ -160,6 +169,7 @@ def build_model_card(
         num_kv_heads=config.num_key_value_heads,
         vocab_size=config.vocab_size,
         receivers=", ".join(str(layer) for layer in sorted(receivers)) or "–",
+        kv_sharing=_kv_sharing(config),
         license_text=license_text,
         model_id=model_id or "path/to/this/model",
         lambda_note=_lambda_note(config, lambdas is not None),

@@ -51,12 +51,14 @@ from ._compat import (
     refuse_unread_cache,
     update_cache,
 )
-from .cache_resformer import new_dynamic_cache, share_first_layer_values
+from .cache_resformer import new_dynamic_cache, share_cache_storage
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, ResFormerConfig
+from .cross_layer_kv import attend_over_shared_keys_values, handed_on, share_key_value_projections
+from .depth_weighted_average import DepthWeightedAverage
 from .fused_mixing import dense_values, project_and_mix_first
-from .loading import check_lambdas_are_finite, check_value_projections
+from .loading import CheckpointChecks, modules_kept_in_float32
 from .no_grad_mixing import LayerMix, corrected_output_projection, mix_on_output, needs_value_gradients
-from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, gather_in_float32, is_pipeline_stage, refuse_pipeline_parallel
+from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, is_pipeline_stage
 from .peft_support import register_peft_target_modules
 from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, fixed_value_weights
 
@@ -90,6 +92,7 @@ class ResFormerAttention(LlamaAttention):
         self.extends_residual_values = layer_idx in sources and layer_idx < self.value_stack_rows
         if self.reuses_first_values:
             self.v_proj = None
+        share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
 
     def forward(
         self,
@@ -99,9 +102,15 @@ class ResFormerAttention(LlamaAttention):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        shared_keys_values: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Returns (attention output, attention weights, the stack of raw values for later layers)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple]:
+        """Returns (attention output, attention weights, the stack of raw values for later layers, the (K, V) the
+        next layer attends over with cross-layer attention, else (None, None))."""
+        if self.reads_shared_keys_values:
+            attn_output, attn_weights = attend_over_shared_keys_values(
+                self, hidden_states, *shared_keys_values, position_embeddings, attention_mask, **kwargs)
+            return attn_output, attn_weights, residual_values, shared_keys_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -155,7 +164,7 @@ class ResFormerAttention(LlamaAttention):
         else:
             attn_output = attn_output.reshape(*input_shape, -1).contiguous()
             attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights, residual_values
+        return attn_output, attn_weights, residual_values, (key_states, value_states)
 
 
 class ResFormerDecoderLayer(GradientCheckpointingLayer):
@@ -179,16 +188,18 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         residual_values: torch.Tensor | None,
         value_weights: torch.Tensor | LayerMix,
+        shared_keys: torch.Tensor | None = None,
+        shared_values: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
-        hidden_states, _, residual_values = self.self_attn(
+        hidden_states, _, residual_values, (shared_keys, shared_values) = self.self_attn(
             hidden_states,
             residual_values,
             value_weights,
@@ -197,6 +208,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
             cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
+            shared_keys_values=(shared_keys, shared_values),
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -205,18 +217,18 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
         hidden_states = residual + hidden_states
-        return hidden_states, residual_values
+        return hidden_states, residual_values, *handed_on(self.self_attn, shared_keys, shared_values)
 
 
 @auto_docstring
-class ResFormerPreTrainedModel(PreTrainedModel):
+class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedModel):
     config: ResFormerConfig
     config_class = ResFormerConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["ResFormerDecoderLayer"]
     _skip_keys_device_placement = [CACHE_ARGUMENT]
-    _keep_in_fp32_modules_strict = ["value_residual"]
+    _keep_in_fp32_modules_strict = ["value_residual", "depth_weighted_average"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -238,12 +250,13 @@ class ResFormerPreTrainedModel(PreTrainedModel):
             register_model_type_names()
             register_peft_target_modules()
         super().__init__(config, *inputs, **kwargs)
-        if not config.value_residual_spec.learnable:  # no λ parameters, so nothing to keep in float32 on load
-            self._keep_in_fp32_modules_strict = []
+        self._keep_in_fp32_modules_strict = modules_kept_in_float32(config)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
+        if isinstance(module, DepthWeightedAverage):
+            init.zeros_(module.weight_offset)
         if isinstance(module, ValueResidual):
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
@@ -260,36 +273,6 @@ class ResFormerPreTrainedModel(PreTrainedModel):
         """
         return self.base_model.value_residual.lambda_table()
 
-    @classmethod
-    def prepare_distribute_model(cls, distributed_config, device_map=None):
-        """Refuse pipeline parallelism before anything is built (see `parallelism.PIPELINE_PARALLEL_UNSUPPORTED`).
-
-        A transformers hook (`DistributedMixin`): `from_pretrained` calls it with `distributed_config` (a
-        `DistributedConfig` or a dict) before it builds the device mesh and the model.
-        """
-        refuse_pipeline_parallel(distributed_config)
-        return super().prepare_distribute_model(distributed_config, device_map=device_map)
-
-    @classmethod
-    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision`
-        (`parallelism.gather_in_float32`). A transformers hook (`DistributedMixin`): `from_pretrained` calls it once
-        the model is built (on the meta device), before the weights are loaded."""
-        model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
-        if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
-            gather_in_float32(model.base_model.value_residual)
-        return model
-
-    def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
-        """Refuse a checkpoint of another variant's v_proj layout, or with non-finite λ (`loading.py`).
-
-        A private transformers hook: `PreTrainedModel._finalize_model_loading` calls it once the weights are loaded
-        and missing ones initialised, which is when both checks can be made.
-        """
-        super()._adjust_missing_and_unexpected_keys(loading_info)
-        check_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
-        check_lambdas_are_finite(self.base_model.value_residual)
-
 
 @auto_docstring
 class ResFormerModel(ResFormerPreTrainedModel):
@@ -305,6 +288,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.value_residual = ValueResidual(config)
+        self.depth_weighted_average = DepthWeightedAverage.for_config(config)  # DenseFormer only, else None
         self.gradient_checkpointing = False
 
         self.post_init()
@@ -355,13 +339,16 @@ class ResFormerModel(ResFormerPreTrainedModel):
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         value_weights = self.value_residual(inference=not needs_value_gradients(self, inputs_embeds))
-        residual_values = None
+        residual_values = shared_keys = shared_values = None
+        stream = self.depth_weighted_average.begin(hidden_states) if self.depth_weighted_average else None
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states, residual_values = decoder_layer(
+            hidden_states, residual_values, shared_keys, shared_values = decoder_layer(
                 hidden_states,
                 residual_values,
                 value_weights[decoder_layer.layer_idx],
+                shared_keys,
+                shared_values,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
@@ -369,6 +356,8 @@ class ResFormerModel(ResFormerPreTrainedModel):
                 use_cache=use_cache,
                 **kwargs,
             )
+            if stream is not None:
+                hidden_states = stream.after_block(hidden_states)
 
         hidden_states = self.norm(hidden_states)
         return model_output(BaseModelOutputWithPast, last_hidden_state=hidden_states, cache=cache)
@@ -393,13 +382,14 @@ class ResFormerForCausalLM(ResFormerPreTrainedModel, GenerationMixin):
     forward = accepts_cache(LlamaForCausalLM.forward) if CACHE_ARGUMENT == "cache" else LlamaForCausalLM.forward
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """`generate()`'s own cache (dynamic, static, ...), with values stored once for SVFormer; a cache the user
-        passed in is left as it is. A private `GenerationMixin` hook of transformers 5.19-5.24."""
+        """`generate()`'s own cache (dynamic, static, ...), with values stored once for SVFormer and K/V once per
+        group with cross-layer attention; a cache the user passed in is left as it is. A private `GenerationMixin`
+        hook of transformers 5.19-5.24."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         cache = generation_cache(model_kwargs)
         user_defined = getattr(cache, "_is_user_defined", False)
-        if self.config.layers_without_value_projection and cache is not None and not user_defined:
-            share_first_layer_values(cache)
+        if cache is not None and not user_defined:
+            share_cache_storage(cache, self.config)
 
 
 class ResFormerForSequenceClassification(GenericForSequenceClassification, ResFormerPreTrainedModel): ...

@@ -101,3 +101,27 @@ def gather_in_float32(value_residual: nn.Module) -> None:
     state._mp_policy = group.mp_policy = policy
     for parameter in group.fsdp_params:
         parameter.mp_policy = policy
+
+
+class ParallelismHooks:
+    """`ResFormerPreTrainedModel`'s overrides of transformers' parallelism hooks (`DistributedMixin`)."""
+
+    @classmethod
+    def prepare_distribute_model(cls, distributed_config, device_map=None):
+        """Refuse pipeline parallelism before anything is built (see `parallelism.PIPELINE_PARALLEL_UNSUPPORTED`).
+
+        A transformers hook (`DistributedMixin`): `from_pretrained` calls it with `distributed_config` (a
+        `DistributedConfig` or a dict) before it builds the device mesh and the model.
+        """
+        refuse_pipeline_parallel(distributed_config)
+        return super().prepare_distribute_model(distributed_config, device_map=device_map)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision`
+        (`parallelism.gather_in_float32`). A transformers hook (`DistributedMixin`): `from_pretrained` calls it once
+        the model is built (on the meta device), before the weights are loaded."""
+        model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
+            gather_in_float32(model.base_model.value_residual)
+        return model

@@ -4,8 +4,9 @@ PEFT picks default `target_modules` by `config.model_type` from its `TRANSFORMER
 tables, which only know built-in transformers models; without an entry, `get_peft_model(model, LoraConfig())` raises
 "Please specify `target_modules`". A ResFormer has Llama's module names, so it gets Llama's rows.
 
-The λ of the value residual are a handful of scalars in one module, `value_residual`; train them together with LoRA
-by naming it in `modules_to_save` (they are then saved in, and reloaded from, the adapter)::
+The λ of the value residual are a handful of scalars in one module, `value_residual` (DenseFormer's depth weights in
+`depth_weighted_average`); train them together with LoRA by naming them in `modules_to_save` (they are then saved
+in, and reloaded from, the adapter)::
 
     LoraConfig(task_type="CAUSAL_LM", modules_to_save=LAMBDA_MODULES)
 
@@ -22,8 +23,9 @@ import importlib.util
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
-#: The module holding every λ; pass as PEFT `modules_to_save` to train the λ alongside an adapter.
-LAMBDA_MODULES = ["value_residual"]
+#: The modules holding every λ (and DenseFormer's depth weights); pass as PEFT `modules_to_save` to train them
+#: alongside an adapter. A model without one of them simply has nothing to save under that name.
+LAMBDA_MODULES = ["value_residual", "depth_weighted_average"]
 
 _MODEL_TYPE = "resformer"
 _TEMPLATE_MODEL_TYPE = "llama"

@@ -42,11 +42,12 @@ def tiny_config(variant: str = "learnable_plus", **overrides) -> ResFormerConfig
 
 
 def model_with_random_lambdas(config: ResFormerConfig, bound: float = 0.4) -> ResFormerForCausalLM:
-    """A tiny causal LM (eval mode) whose learnable λ offsets are uniform in ±bound, so trained-looking λ are
-    exercised rather than the initial values."""
+    """A tiny causal LM (eval mode) whose learnable λ offsets (and DenseFormer's depth-weight offsets) are uniform in
+    ±bound, so trained-looking λ are exercised rather than the initial values."""
     model = ResFormerForCausalLM(config).eval()
+    depth = getattr(model.model, "depth_weighted_average", None)
     with torch.no_grad():
-        for parameter in model.model.value_residual.parameters():
+        for parameter in [*model.model.value_residual.parameters(), *(depth.parameters() if depth else ())]:
             parameter.uniform_(-bound, bound)
     return model
 
@@ -62,6 +63,7 @@ NON_DEFAULT = {
     "dense": {"value_residual_lambda_first": 0.4, "value_residual_lambda_self": 0.6, "value_residual_layers": [2, 3]},
     "svformer": {},
     "neutreno": {"neutreno_lambda": 0.7, "value_residual_layers": [2, 3]},
+    "denseformer": {"denseformer_dilation": 2},
 }
 
 

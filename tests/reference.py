@@ -1,4 +1,6 @@
-"""An independent plain-torch ResFormer forward pass, written from the paper's equations.
+"""An independent plain-torch ResFormer forward pass, written from the paper's equations, with the baselines it
+is compared with: DenseFormer's depth-weighted averages (Pagliardini et al., 2024) and cross-layer attention (CLA,
+Brandon et al., 2024).
 
 It reads only the state dict and the config fields, never the package's modules, so agreement with
 `ResFormerForCausalLM` checks the implementation rather than restating it.
@@ -17,7 +19,7 @@ def effective_weights(config, state: dict[str, torch.Tensor]) -> dict[int, dict[
     Learnable weights stay tensors computed from the state dict, so gradients reach λ through the reference too."""
     variant = config.value_residual
     L = config.num_hidden_layers
-    if variant == "none":
+    if variant in ("none", "denseformer"):
         return {}
     if config.value_residual_layers is not None:
         receivers = sorted(config.value_residual_layers)
@@ -99,10 +101,20 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
 
     x = state["model.embed_tokens.weight"][input_ids]
     raw_values: list[torch.Tensor] = []
+    block_outputs = [x]  # DenseFormer: X_0 (the embeddings), X_1, ... (each block's output)
+    group = config.cross_layer_attention or 1  # CLA: layer n attends over the K, V of layer n - n % group
+    shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         h = rms_norm(x, state[p + "input_layernorm.weight"], eps)
         q = (h @ state[p + "self_attn.q_proj.weight"].T).view(B, T, H, D).transpose(1, 2)
+        if n % group:
+            raw_values.append(raw_values[-1])
+            k, v = shared[n - n % group]
+            attn = _attention(rope(q, positions, theta), k, v, H // Hkv, causal)
+            x = _finish_block(x, attn, state, p, eps, B, T, H * D)
+            x = _depth_average(config, state, block_outputs, x)
+            continue
         k = (h @ state[p + "self_attn.k_proj.weight"].T).view(B, T, Hkv, D).transpose(1, 2)
         if config.value_residual == "svformer" and n > 0:
             v_own = raw_values[0]
@@ -114,18 +126,38 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
         if w is not None and config.value_residual not in ("neutreno", "svformer"):
             v = sum(_scaled(coef, raw_values[j]) for j, coef in w.items())
         q, k = rope(q, positions, theta), rope(k, positions, theta)
-        k = k.repeat_interleave(H // Hkv, dim=1)
-        v_rep = v.repeat_interleave(H // Hkv, dim=1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(D) + causal
-        attn = torch.softmax(scores, dim=-1) @ v_rep
+        shared[n] = (k, v)
+        attn = _attention(q, k, v, H // Hkv, causal)
         if w is not None and config.value_residual == "neutreno":
             attn = attn + _scaled(w[0], (raw_values[0] - v_own).repeat_interleave(H // Hkv, dim=1))
-        attn = attn.transpose(1, 2).reshape(B, T, H * D)
-        x = x + attn @ state[p + "self_attn.o_proj.weight"].T
-        h = rms_norm(x, state[p + "post_attention_layernorm.weight"], eps)
-        gate = h @ state[p + "mlp.gate_proj.weight"].T
-        up = h @ state[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(gate) * up) @ state[p + "mlp.down_proj.weight"].T
+        x = _finish_block(x, attn, state, p, eps, B, T, H * D)
+        x = _depth_average(config, state, block_outputs, x)
     x = rms_norm(x, state["model.norm.weight"], eps)
     head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
     return x @ head.T
+
+
+def _attention(q, k, v, groups: int, causal: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ/√D + causal) v with the kv heads repeated for grouped-query attention; [B, H, T, D]."""
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + causal, dim=-1) @ v
+
+
+def _finish_block(x, attn, state, p: str, eps: float, B: int, T: int, width: int) -> torch.Tensor:
+    """The rest of a pre-norm Llama block after attention: o_proj, residual, RMSNorm, SwiGLU MLP, residual."""
+    x = x + attn.transpose(1, 2).reshape(B, T, width) @ state[p + "self_attn.o_proj.weight"].T
+    h = rms_norm(x, state[p + "post_attention_layernorm.weight"], eps)
+    gate = h @ state[p + "mlp.gate_proj.weight"].T
+    up = h @ state[p + "mlp.up_proj.weight"].T
+    return x + (torch.nn.functional.silu(gate) * up) @ state[p + "mlp.down_proj.weight"].T
+
+
+def _depth_average(config, state, block_outputs: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """DenseFormer: after block i, Σ_j α[i, j]·X_j over X_0 .. X_i with (i − j) divisible by the dilation, where α is
+    1 on X_i and 0 elsewhere plus the stored offsets; other variants: X_i unchanged."""
+    block_outputs.append(x)
+    if config.value_residual != "denseformer":
+        return x
+    i, dilation = len(block_outputs) - 1, config.denseformer_dilation or 1
+    offsets = state["model.depth_weighted_average.weight_offset"][i - 1]
+    return sum((float(j == i) + offsets[j]) * block_outputs[j] for j in range(i + 1) if (i - j) % dilation == 0)

@@ -15,6 +15,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
+import bench_baselines  # noqa: E402
 import bench_context_length  # noqa: E402
 import bench_cost  # noqa: E402
 import bench_decode  # noqa: E402
@@ -337,6 +338,35 @@ def test_uptrain_study_end_to_end(private_tmp):
     assert moved("learnable_plus-preserve-lambda-lr30") > 5 * moved("learnable_plus-preserve")
     table = (out / "uptrain.md").read_text()
     assert all(f"| `{arm}` |" in table for arm in arms) and (out / "uptrain.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_baselines_study_end_to_end_adopting_the_context_study_and_resumed(private_tmp, monkeypatch):
+    """Every arm trains once (Llama's and ResFormer's adopted from a context-study store with the same settings), the
+    cache column is the measured bytes (4 layers: SVFormer 5/8, GQA and CLA2 1/2, SVFormer × CLA2 3/8 of Llama's),
+    and a rerun trains nothing."""
+    argv = TINY_DATA + ["--hidden-size", "32", "--layers", "4", "--heads", "2", "--tokens", "128", "--eval-every",
+                        "2", "--seeds", "0"]
+    bench_baselines.main(argv + ["--arms", "llama", "learnable_plus", "--out", str(private_tmp / "context")])
+    monkeypatch.setattr(bench_baselines, "CONTEXT_STUDY_STORE", private_tmp / "context" / "baselines" / "ctx32.json")
+    trained = []
+    real_run_one = bench_baselines.run_one
+    monkeypatch.setattr(bench_baselines, "run_one", lambda variant, *a: trained.append(variant) or real_run_one(
+        variant, *a))
+    out = private_tmp / "out"
+    bench_baselines.main(argv + ["--out", str(out)])
+    assert sorted(trained) == ["denseformer", "llama", "neutreno", "none", "svformer", "svformer"]  # gqa is a llama
+    runs = json.loads((out / "baselines" / "ctx32.json").read_text())["runs"]
+    assert sorted(runs) == sorted(f"{arm}/seed0" for arm in bench_baselines.ARMS)
+    assert {runs[k].get("adopted_from") for k in ("llama/seed0", "learnable_plus/seed0")} == {"baselines/ctx32.json"}
+    table = (out / "baselines.md").read_text()
+    for arm, ratio in {"llama": "1.0000", "svformer": "0.6250", "gqa": "0.5000", "cla2": "0.5000",
+                       "svformer_cla2": "0.3750"}.items():
+        assert f"| `{arm}` | {bench_baselines.DESCRIPTIONS[arm]} | {1024 * float(ratio):,.0f} | {ratio} | 1 |" in table
+    assert all(f"| `{arm}` |" in table for arm in bench_baselines.QUALITY_ARMS)
+    assert "Incomplete" not in table and (out / "baselines.png").stat().st_size > 0
+    monkeypatch.setattr(bench_baselines, "run_one", lambda *a: (_ for _ in ()).throw(AssertionError("rerun")))
+    bench_baselines.main(argv + ["--out", str(out)])  # resumed: every run is already saved
 
 
 def test_svformer_gqa_study_end_to_end(private_tmp):

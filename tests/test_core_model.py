@@ -344,7 +344,8 @@ def saved_activation_bytes(model, input_ids) -> int:
 def test_the_value_residual_saves_only_the_values_it_must_keep(variant):
     """Exact byte accounting (not a timing): the mix keeps nothing beyond Llama's activations, bar the λ matrix;
     `dense` keeps each receiving layer's raw values once besides the mixed ones attention keeps (O(L), not O(L²));
-    SVFormer keeps less (no v_proj in layers >= 1)."""
+    SVFormer keeps less (no v_proj in layers >= 1); DenseFormer keeps every block output for its depth weights'
+    gradients (the block outputs themselves: L hidden states, O(L), never a stacked copy per average)."""
     torch.manual_seed(0)
     model = randomised_model(variant).train()
     llama = LlamaForCausalLM(LlamaConfig(**TINY)).train()
@@ -356,6 +357,9 @@ def test_the_value_residual_saves_only_the_values_it_must_keep(variant):
         assert 0 <= extra - len(model.config.value_residual_receivers) * values_bytes <= lambda_bytes, extra
     elif variant == "svformer":
         assert extra < 0
+    elif variant == "denseformer":
+        hidden_bytes = 2 * 32 * TINY["hidden_size"] * 4
+        assert 0 <= extra - TINY["num_hidden_layers"] * hidden_bytes <= lambda_bytes, extra
     else:
         assert 0 <= extra <= lambda_bytes, extra
 

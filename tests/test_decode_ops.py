@@ -69,6 +69,10 @@ def test_a_decode_step_dispatches_at_most_the_budgeted_ops_beyond_llama(variant)
     if variant == "none":
         assert extra == {8: 0, 12: 0}
         return
+    if VARIANTS[variant].depth_weighted_average:  # DenseFormer, per block: per source a weight select and a multiply,
+        averages = {n: sum(3 * (i + 1) - 1 for i in range(1, n + 1)) for n in extra}  # and an add between (O(L²))
+        assert extra[8] - averages[8] == extra[12] - averages[12] <= 2 * PER_FORWARD, (extra, averages)
+        return
     per_layer = (extra[12] - extra[8]) / (receivers[12] - receivers[8])
     per_forward = extra[8] - per_layer * receivers[8]
     assert per_layer <= PER_LAYER.get(role, 1), (variant, extra, receivers)
@@ -255,6 +259,9 @@ PREFILL_V0_COPIES = {
     # no v_proj in layers 1..5: the cache ends with 5 fewer value tensors than Llama's; at the peak (before the
     # last layer has run) at least 4 fewer
     "svformer": -4,
+    # DenseFormer's formulation keeps every block output for the depth-weighted averages: 5 hidden states, each 2 V_0's
+    # at this shape (hidden 2 × the kv width)
+    "denseformer": 2 * 5,
 }
 #: Allocator noise above the copy counts (measured at most 0.23).
 PREFILL_SLACK = 0.5

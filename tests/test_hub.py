@@ -103,7 +103,8 @@ EXPECTED_CODE_FILES = {"modeling_resformer.py"} | _relative_imports(PACKAGE_DIR 
 def _perturb_lambdas(model) -> None:
     """Move every learnable λ off its initial value, so a reload that dropped them would show."""
     with torch.no_grad():
-        for parameter in model.base_model.value_residual.parameters():
+        depth = getattr(model.base_model, "depth_weighted_average", None)  # DenseFormer's depth weights too
+        for parameter in [*model.base_model.value_residual.parameters(), *(depth.parameters() if depth else ())]:
             parameter.add_(torch.randn_like(parameter) * 0.3)
 
 
@@ -154,6 +155,10 @@ def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
     cases = {
         "learnable_plus": (ResFormerForCausalLM, tiny_config("learnable_plus"), "AutoModelForCausalLM"),
         "svformer": (ResFormerForCausalLM, tiny_config("svformer"), "AutoModelForCausalLM"),
+        "svformer_cla2": (ResFormerForCausalLM, tiny_config("svformer", cross_layer_attention=2),
+                          "AutoModelForCausalLM"),
+        "denseformer_cla2": (ResFormerForCausalLM, tiny_config("denseformer", cross_layer_attention=2,
+                                                               denseformer_dilation=2), "AutoModelForCausalLM"),
         "dense_classifier": (
             ResFormerForSequenceClassification,
             tiny_config("dense", num_labels=3),

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 #: The docs pages in the order their snippets run, after README.md's (each may use what earlier pages saved).
-PAGES = ["fine-tuning", "scaling-out", "conversion", "hub", "serving", "svformer-memory", "analysis",
+PAGES = ["fine-tuning", "scaling-out", "conversion", "hub", "serving", "baselines", "svformer-memory", "analysis",
          "supported-releases", "works-with", "results", "development"]
 DOCUMENTS = [README, *(DOCS / f"{page}.md" for page in PAGES)]
 CI_SCRIPT = REPO / ".ci" / "run"
