@@ -31,10 +31,11 @@ import time
 from pathlib import Path
 
 from bench_pretrain import run_one
+from lr_sweep_report import best_learning_rates, cells, write_report
 
 from common import BASELINE, RESULTS_DIR, add_device_args
 from run_store import RunStore, portable_config
-from study_cli import add_study_args, command_line, open_study, prepare_training
+from study_cli import add_study_args, command_line, open_study, prepare_training, seeds_from_args
 
 ARMS = [BASELINE, "identity", "learnable_plus", "svformer"]
 LEARNING_RATES = [1e-3, 3e-3, 6e-3]
@@ -84,8 +85,6 @@ def assigned_learning_rates(args: argparse.Namespace, seeds: list[int]) -> dict[
     """Per arm, the learning rates it trains at: every `--lrs`, or with `--tuned-from` its best one there."""
     if not args.tuned_from:
         return {arm: list(args.lrs) for arm in args.arms}
-    from lr_sweep_report import best_learning_rates, cells
-
     source = argparse.Namespace(**{**vars(args), "study": args.tuned_from, "corpus_dir": args.tuned_corpus_dir})
     stores = {lr: open_lr(source, lr)[1] for lr in args.lrs}
     best = best_learning_rates(cells(stores, args.arms, seeds), seeds)
@@ -160,11 +159,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    seeds = list(args.seeds) if args.seeds else list(range(args.seed, args.seed + args.num_seeds))
+    seeds = seeds_from_args(args)
     if not args.report_only:
         train_all(args, argv, seeds)
-    from lr_sweep_report import write_report
-
     path = write_report(args, seeds)
     if path:
         print(f"wrote {path}")
