@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -63,7 +64,12 @@ def build(folder: Path | None = None) -> Path:
         f"{LICENSE}\nTaken from {platform.python_implementation()} {platform.python_version()} "
         f"({len(list(staging.glob('*.txt')))} modules, {total / 1e6:.1f}M characters) by benchmarks/second_corpus.py; "
         "test suites, IDLE, demos, encodings and pydoc_data left out.\n")
-    os.replace(staging, folder)  # complete or absent: a killed build leaves only a hidden staging folder
+    try:
+        os.replace(staging, folder)  # complete or absent: a killed build leaves only a hidden staging folder
+    except OSError:
+        if not (folder / "PROVENANCE.md").is_file():
+            raise
+        shutil.rmtree(staging)  # another process finished the same corpus first: keep its folder, drop this copy
     return folder
 
 

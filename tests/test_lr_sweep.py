@@ -76,6 +76,23 @@ def test_second_corpus_is_the_standard_librarys_code_without_tests(tmp_path, mon
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind
 
 
+def test_a_second_corpus_build_that_loses_the_race_keeps_the_winners_folder(tmp_path, monkeypatch):
+    """Two studies starting together both build the corpus: the second to finish keeps the first one's folder."""
+    monkeypatch.setattr(second_corpus, "CORPORA_DIR", tmp_path)
+    real_sources = second_corpus.library_sources
+
+    def racing_sources(stdlib):  # the other process completes the folder while this one is staging
+        monkeypatch.setattr(second_corpus, "library_sources", real_sources)
+        second_corpus.build()
+        return real_sources(stdlib)
+
+    monkeypatch.setattr(second_corpus, "library_sources", racing_sources)
+    winner = second_corpus.default_folder()
+    folder = second_corpus.build()
+    assert folder == winner and (folder / "PROVENANCE.md").is_file() and len(list(folder.glob("*.txt"))) > 100
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # this run's staging copy is gone
+
+
 TINY = ["--sample-chars", "30000", "--vocab-size", "300", "--val-fraction", "0.1", "--val-tokens", "256",
         "--seq-len", "32", "--batch-size", "4", "--threads", "1", "--hidden-size", "32", "--layers", "2",
         "--heads", "2", "--tokens", "512", "--eval-every", "2", "--seeds", "0", "1", "--lrs", "1e-3", "1e-2",
