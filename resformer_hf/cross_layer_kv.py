@@ -66,10 +66,4 @@ def share_key_value_projections(attention: nn.Module, config) -> None:
         attention.k_proj = attention.v_proj = None
 
 
-def handed_on(attention: nn.Module, keys: torch.Tensor | None, values: torch.Tensor | None) -> tuple:
-    """What a layer hands the next one: the K and V it attended over when the next layer reads them, else nothing
-    (so that no layer keeps another's K and V alive for longer than needed)."""
-    return (keys, values) if attention.hands_on_keys_values else (None, None)
-
-
-__all__ = ["attend_over_shared_keys_values", "handed_on", "share_key_value_projections"]
+__all__ = ["attend_over_shared_keys_values", "share_key_value_projections"]

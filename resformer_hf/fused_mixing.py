@@ -31,10 +31,33 @@ from transformers.models.llama.modeling_llama import repeat_kv
 Weights = torch.Tensor | tuple[float, float]
 
 # Global hooks set with torch.nn.modules.module.register_module_forward_hook & co. live in private dicts of that module
-# (torch 2.6 - 2.13); they are only read here, and a name torch no longer has counts as "no hooks".
-_GLOBAL_MODULE_HOOKS = (
-    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"
+# (torch 2.6 - 2.14), which torch fills and empties in place; they are only read here, and a name torch no longer has
+# counts as "no hooks".
+_GLOBAL_MODULE_HOOKS = tuple(
+    getattr(_module_globals, name, {})
+    for name in ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                 "_global_backward_hooks")
 )
+_PLAIN_TENSOR_TYPES = (nn.Parameter, torch.Tensor)
+
+
+def plain_linear_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight of `module` when calling it is exactly `F.linear(x, weight)` (a bias-free `nn.Linear`), else None.
+
+    Runs once per layer in every decode step, so it reads the module's own dicts instead of its attributes: a
+    parameter reached through `Module.__getattr__` costs a caught AttributeError each time. See `is_plain_linear`.
+    """
+    if type(module) is not nn.Linear:
+        return None
+    state = module.__dict__
+    if ("forward" in state or state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
+            or state["_backward_pre_hooks"] or any(_GLOBAL_MODULE_HOOKS)):
+        return None
+    parameters = state["_parameters"]
+    weight = parameters["weight"]
+    if parameters["bias"] is not None or type(weight) not in _PLAIN_TENSOR_TYPES:
+        return None
+    return weight
 
 
 def is_plain_linear(module: nn.Module) -> bool:
@@ -47,9 +70,9 @@ def is_plain_linear(module: nn.Module) -> bool:
         return False
     if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
         return False
-    if any(getattr(_module_globals, name, None) for name in _GLOBAL_MODULE_HOOKS):
+    if any(_GLOBAL_MODULE_HOOKS):
         return False
-    return all(type(p) in (nn.Parameter, torch.Tensor) for p in (module.weight, module.bias) if p is not None)
+    return all(type(p) in _PLAIN_TENSOR_TYPES for p in (module.weight, module.bias) if p is not None)
 
 
 def mix_values(

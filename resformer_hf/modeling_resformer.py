@@ -53,7 +53,7 @@ from ._compat import (
 )
 from .cache_resformer import new_dynamic_cache, share_cache_storage
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, ResFormerConfig
-from .cross_layer_kv import attend_over_shared_keys_values, handed_on, share_key_value_projections
+from .cross_layer_kv import attend_over_shared_keys_values, share_key_value_projections
 from .depth_weighted_average import DepthWeightedAverage
 from .fused_mixing import dense_values, project_and_mix_first
 from .loading import CheckpointChecks, modules_kept_in_float32
@@ -182,6 +182,9 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Cross-layer attention: whether the next layer attends over this layer's K and V (else none are handed on, so
+        # that no layer keeps another's K and V alive for longer than needed).
+        self.hands_on_keys_values = self.self_attn.hands_on_keys_values
 
     def forward(
         self,
@@ -217,7 +220,9 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
         hidden_states = residual + hidden_states
-        return hidden_states, residual_values, *handed_on(self.self_attn, shared_keys, shared_values)
+        if self.hands_on_keys_values:
+            return hidden_states, residual_values, shared_keys, shared_values
+        return hidden_states, residual_values, None, None
 
 
 @auto_docstring

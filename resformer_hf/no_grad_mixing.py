@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from .configuration_resformer import CORRECT, MIX, MIX_ALL, PLAIN, REUSE
 from .fused_mixing import corrected_output_projection as fused_corrected_output_projection
-from .fused_mixing import is_plain_linear
+from .fused_mixing import plain_linear_weight
 
 # Training mixes through `fused_mixing.py`, whose autograd functions fold λ_self into v_proj's weight to keep no extra
 # tensor for backward; at decode that rescales the whole [H_kv·D, hidden] weight per layer per token. Without a
@@ -84,7 +84,8 @@ def mix_on_output(
         return residual_values, None, residual_values
     if isinstance(mix.first, float) and mix.kind != MIX_ALL and (mix.starts or mix.role != PLAIN):
         return _mix_with_numbers(mix, v_proj, hidden_states, residual_values, head_dim)
-    raw = v_proj(hidden_states)
+    weight = plain_linear_weight(v_proj)
+    raw = v_proj(hidden_states) if weight is None else F.linear(hidden_states, weight)
     own = raw.view(*hidden_states.shape[:-1], -1, head_dim).transpose(1, 2)
     if mix.starts:
         return own, raw, _first_values(mix, own, raw)
@@ -111,17 +112,17 @@ def _mix_with_numbers(mix: LayerMix, v_proj: nn.Module, hidden_states: torch.Ten
     on λ·V_0 ([B, T, H_kv, D]) and its layers their raw values in that layout for `corrected_output_projection`.
     """
     shape = hidden_states.shape
-    plain = is_plain_linear(v_proj) and v_proj.bias is None
+    weight = plain_linear_weight(v_proj)
     if mix.role == MIX and not mix.starts:
-        if plain:
-            flat = torch.addmm(residual_values, hidden_states.reshape(-1, shape[-1]), v_proj.weight.t(),
+        if weight is not None:
+            flat = torch.addmm(residual_values, hidden_states.reshape(-1, shape[-1]), weight.t(),
                                beta=mix.first, alpha=mix.own)
         else:
             flat = torch.add(v_proj(hidden_states).reshape(residual_values.shape) * mix.own, residual_values,
                              alpha=mix.first)
         return flat.view(*shape[:-1], -1, head_dim).transpose(1, 2), None, residual_values
-    if plain:
-        flat = F.linear(hidden_states.reshape(-1, shape[-1]), v_proj.weight)
+    if weight is not None:
+        flat = F.linear(hidden_states.reshape(-1, shape[-1]), weight)
     else:
         out = v_proj(hidden_states)
         flat = out.reshape(-1, out.shape[-1])

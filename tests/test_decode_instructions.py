@@ -22,11 +22,11 @@ from instructions import Job, callgrind_missing, count_instructions  # noqa: E40
 
 #: The issue's size: a decode step is ~14.4 M instructions, deep enough that per-layer ops outweigh per-forward ones.
 HIDDEN, LAYERS = 256, 8
-#: Ratios to Llama measured at this setting (256×8, batch 1, 64 cached tokens) on the committed code (2026-11-25, after
-#: the DenseFormer/CLA options joined the attention forward), where they are above the goal (issue 32 is not closed):
-#: the gate holds them there until the goal is reached. `none` (1.0059) and SVFormer (0.9513) meet their goals.
-MEASURED_ABOVE_GOAL = {"identity": 1.0246, "constant": 1.0240, "sparse": 1.0159, "learnable": 1.0322,
-                       "learnable_plus": 1.0335, "neutreno": 1.0331, "dense": 1.0388, "denseformer": 1.1088}
+#: Ratios to Llama measured at this setting (256×8, batch 1, 64 cached tokens) where they are above the decode goal;
+#: the gate holds them there. Every value-residual variant meets its goal since v_proj's weight is read from the
+#: module's own dicts (2026-11-26: none 0.999, identity 0.998, learnable_plus 1.007, neutreno 1.006, dense 1.019,
+#: svformer 0.940). DenseFormer, a baseline, averages all earlier block outputs after every block: O(L) ops per block.
+MEASURED_ABOVE_GOAL = {"denseformer": 1.0978}
 #: Room for what moves between machines and library builds (hash seed fixed); an op per layer is ~0.016.
 MARGIN = 0.004
 
