@@ -174,6 +174,8 @@ def _worker(spec: Path) -> None:
             for _ in range(2):  # warm-up: first calls compile and fill caches
                 _repeat(rewind, call, job.number)
             actions.append((rewind, call))
+        gc.collect()
+        gc.freeze()  # what exists now is never traversed again: each count's collection costs little under valgrind
         _instrument(True)
         for job, (rewind, call) in zip(jobs, actions):
             _repeat(rewind, call, job.number)  # once instrumented, uncounted: every count starts from the same state

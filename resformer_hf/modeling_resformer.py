@@ -343,9 +343,10 @@ class ResFormerModel(ResFormerPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        value_weights = self.value_residual(inference=not needs_value_gradients(self, inputs_embeds))
+        inference = not needs_value_gradients(self, inputs_embeds)
+        value_weights = self.value_residual(inference=inference)
         residual_values = shared_keys = shared_values = None
-        stream = self.depth_weighted_average.begin(hidden_states) if self.depth_weighted_average else None
+        stream = self.depth_weighted_average.begin(hidden_states, inference) if self.depth_weighted_average else None
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, residual_values, shared_keys, shared_values = decoder_layer(

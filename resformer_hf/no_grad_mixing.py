@@ -54,6 +54,18 @@ class LayerMix(NamedTuple):
     own: float | torch.Tensor  #: λ_self: a float, or a 0-dim tensor when learnable
 
 
+def readable_as_numbers(module: nn.Module) -> bool:
+    """Whether `module`'s own parameters can be read as Python numbers for free in a pass without gradient.
+
+    Not under `torch.compile` (reading a tensor's value breaks the graph), nor off the CPU (each read would wait for
+    the device), nor for sharded parameters (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor dispatches no op.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(p) is nn.Parameter and p.device.type == "cpu" and not hasattr(p, "ds_id")
+               for p in module._parameters.values())
+
+
 def needs_value_gradients(model: nn.Module, inputs_embeds: torch.Tensor) -> bool:
     """Whether this forward pass may be differentiated, so the fused training mix (`fused_mixing.py`) must run.
 

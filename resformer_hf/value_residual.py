@@ -19,7 +19,7 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 
 from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
-from .no_grad_mixing import LayerMix
+from .no_grad_mixing import LayerMix, readable_as_numbers
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -176,10 +176,7 @@ class ValueResidual(nn.Module):
         n = len(self.receivers)
         if self.parameterisation == FIXED:
             return [self.lambda_first_init] * n, [self.lambda_self_init] * n
-        if self.parameterisation == DENSE or torch.compiler.is_compiling():
-            return None
-        parameters = self._parameters.values()
-        if any(type(p) is not nn.Parameter or p.device.type != "cpu" or hasattr(p, "ds_id") for p in parameters):
+        if self.parameterisation == DENSE or not readable_as_numbers(self):
             return None
         owns = [offset + self.lambda_self_init for offset in self.lambda_self_offset.tolist()]
         if self.parameterisation == PAIR:

@@ -69,8 +69,8 @@ def test_a_decode_step_dispatches_at_most_the_budgeted_ops_beyond_llama(variant)
     if variant == "none":
         assert extra == {8: 0, 12: 0}
         return
-    if VARIANTS[variant].depth_weighted_average:  # DenseFormer, per block: per source a weight select and a multiply,
-        averages = {n: sum(3 * (i + 1) - 1 for i in range(1, n + 1)) for n in extra}  # and an add between (O(L²))
+    if VARIANTS[variant].depth_weighted_average:  # DenseFormer, per block i: one op per source (its α a number), O(L²)
+        averages = {n: sum(i + 1 for i in range(1, n + 1)) for n in extra}
         assert extra[8] - averages[8] == extra[12] - averages[12] <= 2 * PER_FORWARD, (extra, averages)
         return
     per_layer = (extra[12] - extra[8]) / (receivers[12] - receivers[8])
