@@ -348,6 +348,9 @@ def test_baselines_study_end_to_end_adopting_the_context_study_and_resumed(priva
     argv = TINY_DATA + ["--hidden-size", "32", "--layers", "4", "--heads", "2", "--tokens", "128", "--eval-every",
                         "2", "--seeds", "0"]
     bench_baselines.main(argv + ["--arms", "llama", "learnable_plus", "--out", str(private_tmp / "context")])
+    bench_baselines.main(argv + ["--report-only", "--out", str(private_tmp / "context")])  # every arm, two trained
+    partial = (private_tmp / "context" / "baselines.md").read_text()
+    assert "| `learnable_plus` |" in partial and "| `neutreno` |" not in partial and "**Incomplete**" in partial
     monkeypatch.setattr(bench_baselines, "CONTEXT_STUDY_STORE", private_tmp / "context" / "baselines" / "ctx32.json")
     trained = []
     real_run_one = bench_baselines.run_one
