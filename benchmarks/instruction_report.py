@@ -1,13 +1,18 @@
-"""The instruction-count part of the cost benchmark: every variant and Llama counted by callgrind, twice.
+"""The instruction-count part of the cost benchmark: every variant and Llama counted by callgrind.
 
 Counts per eager decode step (dynamic cache, as `generate()`), per compiled decode step (static cache, `torch.compile`
 fullgraph) and per prefill without gradient, at each size and batch, in one valgrind process per size and batch
 (`instructions.py`). The first size and batch is counted `runs` times in fresh processes (the others once: a valgrind
 process costs minutes): the report shows how far the runs agree, which is what makes these ratios a claim where
-timings on a shared machine are not.
+timings on a shared machine are not. Counts are kept in a store (`instructions.json` beside cost.md) that later
+commands add to, so that the costly kinds (compiled steps: minutes per model under valgrind) can be counted for fewer
+sizes by a command of their own; the report shows every count the store holds.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from cost_settings import goal
 from instructions import KINDS, Job, count_instructions
@@ -19,10 +24,14 @@ CONTEXT = 64
 
 
 def measure_instructions(sizes, batches, names, kinds=KINDS, runs: int = 2, number: int = 4, vocab_size: int = 2048,
-                         head_dim: int = 32) -> dict:
+                         head_dim: int = 32, previous: dict | None = None) -> dict:
     """{"counts": [{(name, hidden, layers, batch, kind): instructions per call} per run], ...}; runs after the first
-    hold the first size and batch only."""
-    counts: list[dict] = [{} for _ in range(runs)]
+    hold the first size and batch only. Counts of `previous` (a result with the same settings) are kept unless counted
+    again, and its sizes, batches, names and kinds join these."""
+    settings = {"number": number, "vocab_size": vocab_size, "head_dim": head_dim, "context": CONTEXT}
+    same = previous is not None and previous.get("settings") == settings
+    counts: list[dict] = [dict(run) for run in previous["counts"]] if same else []
+    counts += [{} for _ in range(runs - len(counts))]
     for group, (hidden, layers, batch) in enumerate((h, n, b) for h, n in sizes for b in batches):
         jobs = [Job(name, hidden, layers, batch, kind, CONTEXT, 1 if kind == "prefill" else number, vocab_size,
                     head_dim) for kind in kinds for name in [BASELINE, *names]]
@@ -30,8 +39,43 @@ def measure_instructions(sizes, batches, names, kinds=KINDS, runs: int = 2, numb
             print(f"counting instructions: {hidden}x{layers}, batch {batch}, run {run + 1} ...", flush=True)
             for job, count in count_instructions(jobs).items():
                 counts[run][(job.name, hidden, layers, batch, job.kind)] = count
-    return {"counts": counts, "sizes": list(sizes), "batches": list(batches), "names": list(names),
-            "kinds": list(kinds), "number": number}
+    old = previous if same else {}
+    return {"counts": counts, "settings": settings, "number": number,
+            "sizes": _union(old.get("sizes", []), [tuple(size) for size in sizes]),
+            "batches": _union(old.get("batches", []), batches), "names": _union(old.get("names", []), names),
+            "kinds": [kind for kind in KINDS if kind in set(old.get("kinds", [])) | set(kinds)]}
+
+
+def _union(first: list, second: list) -> list:
+    return list(dict.fromkeys([*map(_hashable, first), *map(_hashable, second)]))
+
+
+def _hashable(item):
+    return tuple(item) if isinstance(item, list) else item
+
+
+def save_counts(result: dict, path: Path) -> None:
+    """Write `result` as JSON (count keys joined with "|")."""
+    data = {**result, "counts": [{"|".join(map(str, key)): count for key, count in run.items()}
+                                 for run in result["counts"]]}
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(json.dumps(data, indent=1))
+    staging.replace(path)
+
+
+def load_counts(path: Path) -> dict | None:
+    """What `save_counts` wrote, or None when there is nothing yet."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+
+    def key(text: str) -> tuple:
+        name, hidden, layers, batch, kind = text.split("|")
+        return name, int(hidden), int(layers), int(batch), kind
+
+    data["counts"] = [{key(text): count for text, count in run.items()} for run in data["counts"]]
+    data["sizes"] = [tuple(size) for size in data["sizes"]]
+    return data
 
 
 def agreement(result: dict) -> float:
@@ -43,16 +87,18 @@ def agreement(result: dict) -> float:
 
 def _ratio(result: dict, name: str, hidden: int, layers: int, batch: int, kind: str) -> str:
     counts = result["counts"][0]
+    if (name, hidden, layers, batch, kind) not in counts or (BASELINE, hidden, layers, batch, kind) not in counts:
+        return "–"  # not counted at this size and batch
     ratio = counts[(name, hidden, layers, batch, kind)] / counts[(BASELINE, hidden, layers, batch, kind)]
     bold = ratio > goal("decode" if "decode" in kind else "prefill", name, hidden)
     return f"**{ratio:.4f}**" if bold else f"{ratio:.4f}"
 
 
 def _llama_line(result: dict, hidden: int, layers: int, batch: int) -> str:
-    runs = [run for run in result["counts"] if (BASELINE, hidden, layers, batch, result["kinds"][0]) in run]
+    key = (BASELINE, hidden, layers, batch)
     return ", ".join(
-        f"{kind} " + " / ".join(f"{run[(BASELINE, hidden, layers, batch, kind)] / 1e6:.4f}" for run in runs) + " M"
-        for kind in result["kinds"])
+        f"{kind} " + " / ".join(f"{run[(*key, kind)] / 1e6:.4f}" for run in result["counts"] if (*key, kind) in run)
+        + " M" for kind in result["kinds"] if (*key, kind) in result["counts"][0])
 
 
 KIND_DESCRIPTIONS = {
@@ -100,7 +146,7 @@ def instruction_readme_block(result: dict, command: str) -> str:
                              for h, n in result["sizes"]] for name in result["names"]]
     hidden, layers = result["sizes"][0]
     return "\n".join([
-        f"**Instructions** (`{command}`, [cost.md](benchmarks/results/cost.md), written by that command): "
+        f"**Instructions** ({command}, [cost.md](benchmarks/results/cost.md), written by these commands): "
         f"instructions per call ({'; '.join(KIND_DESCRIPTIONS[kind] for kind in result['kinds'])}), counted by "
         f"callgrind, as a ratio to Llama's, batch {batch}. Deterministic: {_determinism(result)} (Llama "
         f"{hidden}×{layers}: {_llama_line(result, hidden, layers, batch)}). Bold: above the goal (decode 1.01, "

@@ -61,3 +61,26 @@ def test_the_report_compares_repeated_counts_of_the_first_group_only():
     assert "agree to 5.0e-05 relative" in section and "counted 2 times" in section
     assert "decode 1.0000 / 1.0001 M" in section and "decode 3.0000 M" in section  # Llama per run where counted
     assert "| `identity` | **1.0200** |" in section and "| `identity` | 0.9900 |" in section  # bold above the goal
+
+
+def test_later_counts_join_the_store_and_cells_not_counted_show_a_dash(tmp_path, monkeypatch):
+    """A command counting one more kind at one size adds to what the store holds; the report marks what no command
+    counted, and a store of other settings is not mixed in."""
+    import instruction_report
+
+    fake = {"llama": 100.0, "identity": 99.0}
+    monkeypatch.setattr(instruction_report, "count_instructions",
+                        lambda jobs: {job: fake[job.name] * job.layers * (2 if job.kind == "prefill" else 1)
+                                      for job in jobs})
+    first = instruction_report.measure_instructions([(256, 8), (512, 12)], [1], ["identity"], ["decode"], runs=1)
+    instruction_report.save_counts(first, tmp_path / "instructions.json")
+    stored = instruction_report.load_counts(tmp_path / "instructions.json")
+    both = instruction_report.measure_instructions([(256, 8)], [1], ["identity"], ["prefill"], runs=1,
+                                                   previous=stored)
+    assert both["kinds"] == ["decode", "prefill"] and both["sizes"] == [(256, 8), (512, 12)]
+    assert both["counts"][0][("identity", 512, 12, 1, "decode")] == 99.0 * 12
+    section = instruction_report.instruction_section(both)
+    assert "| `identity` | 0.9900 | 0.9900 |" in section and "| `identity` | 0.9900 | – |" in section
+    other = instruction_report.measure_instructions([(256, 8)], [1], ["identity"], ["prefill"], runs=1,
+                                                    previous=stored, number=2)
+    assert other["kinds"] == ["prefill"] and ("identity", 512, 12, 1, "decode") not in other["counts"][0]
