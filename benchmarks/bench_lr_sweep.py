@@ -150,11 +150,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
         args.study, args.tuned_from = SECOND_CORPUS, args.tuned_from or NAME
         args.corpus_dir = build()
-    if BASELINE not in args.arms:
-        parser.error(f"--arms must include the baseline {BASELINE!r}: every number is relative to it")
     if any(not math.isfinite(lr) or lr <= 0 for lr in args.lrs):
         parser.error(f"--lrs must be positive numbers (got {args.lrs})")
     return args
+
+
+def whole_study(args: argparse.Namespace, seeds: list[int]) -> tuple[argparse.Namespace, list[int]]:
+    """What the report covers, whatever part of the study this process trained (one learning rate, some seeds or arms,
+    as when processes run side by side): every learning rate, arm and seed its stores hold, and this process's."""
+    lrs, arms, held = [], list(args.arms), set(seeds)
+    for lr in sorted(set(LEARNING_RATES) | set(args.lrs)):
+        runs = open_lr(args, lr)[1].runs
+        if lr in args.lrs or runs:
+            lrs.append(lr)
+        for key in runs:
+            arm, seed = key.rsplit("/seed", 1)
+            arms.append(arm)
+            held.add(int(seed))
+    ordered = [arm for arm in [BASELINE, *ARMS] if arm in arms] + [arm for arm in arms if arm not in ARMS]
+    return argparse.Namespace(**{**vars(args), "lrs": lrs, "arms": list(dict.fromkeys(ordered))}), sorted(held)
 
 
 def main(argv=None) -> None:
@@ -162,7 +176,7 @@ def main(argv=None) -> None:
     seeds = seeds_from_args(args)
     if not args.report_only:
         train_all(args, argv, seeds)
-    path = write_report(args, seeds)
+    path = write_report(*whole_study(args, seeds))
     if path:
         print(f"wrote {path}")
 

@@ -129,7 +129,8 @@ def write_report(args: argparse.Namespace, seeds: list[int]) -> Path | None:
             if not cell.runs:
                 row.append("—")
                 continue
-            text = cell.final().format(".4f") + ("" if len(cell.runs) == len(seeds) else f" ({len(cell.runs)} seeds)")
+            count = len(cell.runs)
+            text = cell.final().format(".4f") + ("" if count == len(seeds) else f" ({count} seed{'s' * (count != 1)})")
             row.append(f"**{text}**" if best[arm] == lr else text)
             for seed, run in sorted(cell.runs.items()):
                 problem = instability(run)
