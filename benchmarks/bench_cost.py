@@ -38,7 +38,6 @@ from cost_settings import size_fields as _size_fields
 from instruction_report import (
     instruction_readme_block,
     instruction_section,
-    load_counts,
     measure_instructions,
     save_counts,
 )
@@ -314,18 +313,15 @@ def instructions(args) -> None:
     """Count instructions (`instruction_report.py`), add them to the store beside cost.md and rewrite the instruction
     blocks of cost.md and the README from everything the store holds."""
     store = Path(args.out) / "instructions.json"
-    previous = load_counts(store)
     result = measure_instructions(args.instruction_sizes, args.instruction_batches, args.variants,
                                   args.instruction_kinds, args.instruction_runs, vocab_size=args.vocab_size,
-                                  head_dim=args.head_dim, previous=previous)
+                                  head_dim=args.head_dim)
     command = "python benchmarks/bench_cost.py --only-instructions " + " ".join([
         "--instruction-sizes", *(f"{h}x{n}" for h, n in args.instruction_sizes), "--instruction-batches",
         *map(str, args.instruction_batches), "--instruction-kinds", *(f"'{k}'" for k in args.instruction_kinds),
-        "--instruction-runs", str(args.instruction_runs)])
-    same_settings = previous is not None and previous.get("settings") == result["settings"]
-    kept = previous.get("commands", []) if same_settings else []
-    result["commands"] = list(dict.fromkeys([*kept, command]))
-    save_counts(result, store)
+        "--instruction-runs", str(args.instruction_runs),
+        *(["--variants", *args.variants] if args.variants != DEFAULT_VARIANTS else [])])
+    result = save_counts({**result, "commands": [command]}, store)  # joins what side-by-side commands stored
     commands = " then ".join(f"`{c}`" for c in result["commands"])
     rewrite_readme_block("instructions", f"Regenerate: {commands} (each adds its counts to "
                          "`instructions.json`).\n\n" + instruction_section(result), page=Path(args.out) / "cost.md")

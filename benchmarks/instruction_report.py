@@ -11,7 +11,9 @@ sizes by a command of their own; the report shows every count the store holds.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 from pathlib import Path
 
 from cost_settings import goal
@@ -24,14 +26,10 @@ CONTEXT = 64
 
 
 def measure_instructions(sizes, batches, names, kinds=KINDS, runs: int = 2, number: int = 4, vocab_size: int = 2048,
-                         head_dim: int = 32, previous: dict | None = None) -> dict:
+                         head_dim: int = 32) -> dict:
     """{"counts": [{(name, hidden, layers, batch, kind): instructions per call} per run], ...}; runs after the first
-    hold the first size and batch only. Counts of `previous` (a result with the same settings) are kept unless counted
-    again, and its sizes, batches, names and kinds join these."""
-    settings = {"number": number, "vocab_size": vocab_size, "head_dim": head_dim, "context": CONTEXT}
-    same = previous is not None and previous.get("settings") == settings
-    counts: list[dict] = [dict(run) for run in previous["counts"]] if same else []
-    counts += [{} for _ in range(runs - len(counts))]
+    hold the first size and batch only. `save_counts` adds a result to the store."""
+    counts: list[dict] = [{} for _ in range(runs)]
     for group, (hidden, layers, batch) in enumerate((h, n, b) for h, n in sizes for b in batches):
         jobs = [Job(name, hidden, layers, batch, kind, CONTEXT, 1 if kind == "prefill" else number, vocab_size,
                     head_dim) for kind in kinds for name in [BASELINE, *names]]
@@ -39,11 +37,9 @@ def measure_instructions(sizes, batches, names, kinds=KINDS, runs: int = 2, numb
             print(f"counting instructions: {hidden}x{layers}, batch {batch}, run {run + 1} ...", flush=True)
             for job, count in count_instructions(jobs).items():
                 counts[run][(job.name, hidden, layers, batch, job.kind)] = count
-    old = previous if same else {}
-    return {"counts": counts, "settings": settings, "number": number,
-            "sizes": _union(old.get("sizes", []), [tuple(size) for size in sizes]),
-            "batches": _union(old.get("batches", []), batches), "names": _union(old.get("names", []), names),
-            "kinds": [kind for kind in KINDS if kind in set(old.get("kinds", [])) | set(kinds)]}
+    return {"counts": counts, "number": number, "sizes": [tuple(size) for size in sizes], "batches": list(batches),
+            "names": list(names), "kinds": [kind for kind in KINDS if kind in kinds],
+            "settings": {"number": number, "vocab_size": vocab_size, "head_dim": head_dim, "context": CONTEXT}}
 
 
 def _union(first: list, second: list) -> list:
@@ -54,13 +50,31 @@ def _hashable(item):
     return tuple(item) if isinstance(item, list) else item
 
 
-def save_counts(result: dict, path: Path) -> None:
-    """Write `result` as JSON (count keys joined with "|")."""
-    data = {**result, "counts": [{"|".join(map(str, key)): count for key, count in run.items()}
-                                 for run in result["counts"]]}
-    staging = path.with_name(f".{path.name}.tmp")
-    staging.write_text(json.dumps(data, indent=1))
-    staging.replace(path)
+def save_counts(result: dict, path: Path) -> dict:
+    """Add `result` to the store at `path` and return what the store then holds.
+
+    Counting commands may run side by side (one per size, each a valgrind process of its own): under a lock, the store
+    is read again and this result's counts join it (a count made again replaces the stored one); a store of other
+    settings is replaced. Written to a temporary file and renamed, so it is never half-written.
+    """
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stored = load_counts(path)
+        if stored is not None and stored.get("settings") == result["settings"]:
+            runs = max(len(stored["counts"]), len(result["counts"]))
+            counts = [{**(stored["counts"][r] if r < len(stored["counts"]) else {}),
+                       **(result["counts"][r] if r < len(result["counts"]) else {})} for r in range(runs)]
+            result = {**result, "counts": counts, "sizes": _union(stored["sizes"], result["sizes"]),
+                      "batches": _union(stored["batches"], result["batches"]),
+                      "names": _union(stored["names"], result["names"]),
+                      "kinds": [kind for kind in KINDS if kind in {*stored["kinds"], *result["kinds"]}],
+                      "commands": _union(stored.get("commands", []), result.get("commands", []))}
+        data = {**result, "counts": [{"|".join(map(str, key)): count for key, count in run.items()}
+                                     for run in result["counts"]]}
+        staging = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        staging.write_text(json.dumps(data, indent=1))
+        staging.replace(path)
+    return result
 
 
 def load_counts(path: Path) -> dict | None:

@@ -64,23 +64,25 @@ def test_the_report_compares_repeated_counts_of_the_first_group_only():
 
 
 def test_later_counts_join_the_store_and_cells_not_counted_show_a_dash(tmp_path, monkeypatch):
-    """A command counting one more kind at one size adds to what the store holds; the report marks what no command
-    counted, and a store of other settings is not mixed in."""
+    """A command counting one more kind at one size adds to what the store holds (commands may run side by side); the
+    report marks what no command counted, and a store of other settings is replaced, not mixed in."""
     import instruction_report
 
     fake = {"llama": 100.0, "identity": 99.0}
     monkeypatch.setattr(instruction_report, "count_instructions",
                         lambda jobs: {job: fake[job.name] * job.layers * (2 if job.kind == "prefill" else 1)
                                       for job in jobs})
+    store = tmp_path / "instructions.json"
     first = instruction_report.measure_instructions([(256, 8), (512, 12)], [1], ["identity"], ["decode"], runs=1)
-    instruction_report.save_counts(first, tmp_path / "instructions.json")
-    stored = instruction_report.load_counts(tmp_path / "instructions.json")
-    both = instruction_report.measure_instructions([(256, 8)], [1], ["identity"], ["prefill"], runs=1,
-                                                   previous=stored)
+    instruction_report.save_counts({**first, "commands": ["first"]}, store)
+    second = instruction_report.measure_instructions([(256, 8)], [1], ["identity"], ["prefill"], runs=1)
+    both = instruction_report.save_counts({**second, "commands": ["second"]}, store)
+    assert both == instruction_report.load_counts(store)
     assert both["kinds"] == ["decode", "prefill"] and both["sizes"] == [(256, 8), (512, 12)]
+    assert both["commands"] == ["first", "second"]
     assert both["counts"][0][("identity", 512, 12, 1, "decode")] == 99.0 * 12
     section = instruction_report.instruction_section(both)
     assert "| `identity` | 0.9900 | 0.9900 |" in section and "| `identity` | 0.9900 | – |" in section
-    other = instruction_report.measure_instructions([(256, 8)], [1], ["identity"], ["prefill"], runs=1,
-                                                    previous=stored, number=2)
-    assert other["kinds"] == ["prefill"] and ("identity", 512, 12, 1, "decode") not in other["counts"][0]
+    other = instruction_report.measure_instructions([(256, 8)], [1], ["identity"], ["prefill"], runs=1, number=2)
+    replaced = instruction_report.save_counts(other, store)
+    assert replaced["kinds"] == ["prefill"] and ("identity", 512, 12, 1, "decode") not in replaced["counts"][0]
