@@ -133,8 +133,6 @@ def summarize(args: argparse.Namespace, seeds: list[int]) -> tuple[dict, RunStor
     summary = {}
     for arm in args.arms:
         pair = [BASELINE] if arm == BASELINE else [BASELINE, arm]
-        if not any(all(f"{name}/seed{seed}" in store for name in pair) for seed in seeds):
-            continue  # not trained yet (an interrupted study reports the arms it has)
         entry = pretrain_summary(store, pair, seeds)
         if entry["seeds"]:
             summary[arm] = dict(entry["variants"][arm], seeds=entry["seeds"],

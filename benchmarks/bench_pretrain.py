@@ -64,8 +64,10 @@ def seed_table(store: RunStore, variants: list[str], seeds: list[int]) -> tuple[
 def summarize(store: RunStore, variants: list[str], seeds: list[int]) -> dict:
     """Everything the table says, computed once (the README quotes the same numbers)."""
     runs, complete = seed_table(store, variants, seeds)
-    base = runs[BASELINE]
     summary = {"seeds": complete, "variants": {}}
+    if not complete:  # nothing to summarise yet (an interrupted study)
+        return summary
+    base = runs[BASELINE]
     for variant in variants:
         finals = [runs[variant][s]["final_val_loss"] for s in complete]
         budgets = [base[s]["curve"][-1][0] for s in complete]

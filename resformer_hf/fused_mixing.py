@@ -41,38 +41,31 @@ _GLOBAL_MODULE_HOOKS = tuple(
 _PLAIN_TENSOR_TYPES = (nn.Parameter, torch.Tensor)
 
 
-def plain_linear_weight(module: nn.Module) -> torch.Tensor | None:
-    """The weight of `module` when calling it is exactly `F.linear(x, weight)` (a bias-free `nn.Linear`), else None.
-
-    Runs once per layer in every decode step, so it reads the module's own dicts instead of its attributes: a
-    parameter reached through `Module.__getattr__` costs a caught AttributeError each time. See `is_plain_linear`.
-    """
-    if type(module) is not nn.Linear:
-        return None
-    state = module.__dict__
-    if ("forward" in state or state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
-            or state["_backward_pre_hooks"] or any(_GLOBAL_MODULE_HOOKS)):
-        return None
-    parameters = state["_parameters"]
-    weight = parameters["weight"]
-    if parameters["bias"] is not None or type(weight) not in _PLAIN_TENSOR_TYPES:
-        return None
-    return weight
-
-
 def is_plain_linear(module: nn.Module) -> bool:
     """Whether calling `module` is exactly `F.linear(x, module.weight, module.bias)`: a fused path may use its weight.
 
     False for LoRA, quantised or FSDP-wrapped replacements (other classes), module hooks or a patched `forward` (tensor
     parallelism, DeepSpeed ZeRO-3, accelerate offloading) and tensor-subclass weights (DTensor): they keep the call.
+    Runs once per layer in every decode step, so it reads the module's own dicts instead of its attributes: a
+    parameter reached through `Module.__getattr__` costs a caught AttributeError each time.
     """
-    if type(module) is not nn.Linear or "forward" in module.__dict__:
+    if type(module) is not nn.Linear:
         return False
-    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks:
+    state = module.__dict__
+    if ("forward" in state or state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
+            or state["_backward_pre_hooks"] or any(_GLOBAL_MODULE_HOOKS)):
         return False
-    if any(_GLOBAL_MODULE_HOOKS):
-        return False
-    return all(type(p) in _PLAIN_TENSOR_TYPES for p in (module.weight, module.bias) if p is not None)
+    parameters = state["_parameters"]
+    bias = parameters["bias"]
+    return type(parameters["weight"]) in _PLAIN_TENSOR_TYPES and (bias is None or type(bias) in _PLAIN_TENSOR_TYPES)
+
+
+def plain_linear_weight(module: nn.Module) -> torch.Tensor | None:
+    """The weight of `module` when calling it is exactly `F.linear(x, weight)` (a bias-free `is_plain_linear`), else
+    None."""
+    if not is_plain_linear(module) or module._parameters["bias"] is not None:
+        return None
+    return module._parameters["weight"]
 
 
 def mix_values(
