@@ -73,7 +73,8 @@ class ValueResidual(nn.Module):
         # `inv_freq`; like it, `_init_weights` rebuilds it when transformers loads on the meta device.
         fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation == FIXED else None
         self.register_buffer("fixed_weights", fixed, persistent=False)
-        self._fixed_mixes: tuple[LayerMix, ...] | None = None  # fixed λ: `layer_mixes` builds them once
+        #: (λ offsets read as numbers, the mixes built from them): `layer_mixes` reuses them while the offsets match.
+        self._numeric_mixes: tuple[tuple[list, ...], tuple[LayerMix, ...]] | None = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -143,14 +144,16 @@ class ValueResidual(nn.Module):
 
         Wherever it can, each λ is a Python number (`numeric_lambdas`): a mixing layer then folds the mix into v_proj's
         GEMM (`torch.addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`), one op where Llama has its linear, and the pass
-        dispatches no op for λ at all. Fixed λ are numbers everywhere; learnable ones on the CPU when eager.
+        dispatches no op for λ at all. Fixed λ are numbers everywhere; learnable ones on the CPU when eager. The mixes
+        are kept with the λ values they were built from and reused while those read the same (every step of
+        `generate()`): building them is Python work worth ~0.5 % of a small model's decode step.
         """
-        numbers = self.numeric_lambdas()
-        if numbers is None:
+        offsets = self._offsets_as_numbers()
+        if offsets is None:
             return self._tensor_mixes()
-        if self.parameterisation == FIXED and self._fixed_mixes is not None:
-            return self._fixed_mixes  # constants: built once
-        firsts, owns = numbers
+        if self._numeric_mixes is not None and self._numeric_mixes[0] == offsets:
+            return self._numeric_mixes[1]
+        firsts, owns = self.numeric_lambdas(offsets)
         rows = {layer: row for row, layer in enumerate(self.receivers)}
         first_of_layer_0 = firsts[0] if firsts and self.role == CORRECT else 0.0
         mixes = tuple(
@@ -161,32 +164,43 @@ class ValueResidual(nn.Module):
             )
             for layer in range(self.num_layers)
         )
-        if self.parameterisation == FIXED:
-            self._fixed_mixes = mixes
+        self._numeric_mixes = (offsets, mixes)
         return mixes
 
-    def numeric_lambdas(self) -> tuple[list[float], list[float]] | None:
-        """(λ_first, λ_self) of every receiver as Python floats, or None where they must stay tensors.
-
-        Tensors stay: under `torch.compile` (a number read from a tensor breaks the graph), for `dense` (a matrix of
+    def _offsets_as_numbers(self) -> tuple[list, ...] | None:
+        """The learnable offsets as Python lists, in registration order (`()` for fixed λ), or None where they must
+        stay tensors: under `torch.compile` (a number read from a tensor breaks the graph), for `dense` (a matrix of
         weights), for parameters off the CPU (reading them would wait for the device every step) and for sharded ones
-        (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor's values dispatches no op; the softmax of
-        `learnable_plus` is a handful of float operations.
+        (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor's values dispatches no op.
         """
+        if self.parameterisation == FIXED:
+            return ()
+        if self.parameterisation == DENSE or not readable_as_numbers(self):
+            return None
+        return tuple(parameter.tolist() for parameter in self._parameters.values())
+
+    def numeric_lambdas(self, offsets: tuple[list, ...] | None = None) -> tuple[list[float], list[float]] | None:
+        """(λ_first, λ_self) of every receiver as Python floats, or None where they must stay tensors (see
+        `_offsets_as_numbers`, which reads `offsets` when not given). The softmax of `learnable_plus` is a handful of
+        float operations.
+        """
+        offsets = self._offsets_as_numbers() if offsets is None else offsets
+        if offsets is None:
+            return None
         n = len(self.receivers)
         if self.parameterisation == FIXED:
             return [self.lambda_first_init] * n, [self.lambda_self_init] * n
-        if self.parameterisation == DENSE or not readable_as_numbers(self):
-            return None
-        owns = [offset + self.lambda_self_init for offset in self.lambda_self_offset.tolist()]
         if self.parameterisation == PAIR:
-            return [offset + self.lambda_first_init for offset in self.lambda_first_offset.tolist()], owns
-        logits = self.lambda_logits.tolist()
+            first_offsets, own_offsets = offsets
+            return ([offset + self.lambda_first_init for offset in first_offsets],
+                    [offset + self.lambda_self_init for offset in own_offsets])
+        logits, (scale_offset,), own_offsets = offsets
+        owns = [offset + self.lambda_self_init for offset in own_offsets]
         if not logits:  # a one-layer model: no layer receives V_0
             return [], owns
         top = max(logits)
         exponentials = [math.exp(logit - top) for logit in logits]
-        scale = (self.lambda_scale_offset.tolist()[0] + self.lambda_scale_init) / sum(exponentials)
+        scale = (scale_offset + self.lambda_scale_init) / sum(exponentials)
         return [scale * exponential for exponential in exponentials], owns
 
     def _tensor_mixes(self) -> tuple[LayerMix, ...]:

@@ -126,6 +126,26 @@ def test_learnable_lambdas_receive_gradients(variant):
         assert parameter.grad is not None and parameter.grad.abs().sum().item() > 0, name
 
 
+
+@pytest.mark.parametrize("variant", ["learnable", "learnable_plus"])
+def test_a_pass_without_gradient_follows_lambdas_changed_in_place(variant):
+    """Passes without gradient reuse the per-layer mixes built from the λ they last read (`layer_mixes`): an optimiser
+    step or `load_state_dict` changes λ in place between two such passes, and the second must see the new values."""
+    model = randomised_model(variant).eval()
+    input_ids = torch.randint(3, 128, (1, 9))
+    with torch.no_grad():
+        before = model(input_ids).logits
+        for parameter in model.model.value_residual.parameters():
+            parameter.add_(torch.linspace(0.1, 0.3, parameter.numel()).view_as(parameter))
+        stepped = model(input_ids).logits
+        state = {name: value + 0.2 for name, value in model.model.value_residual.state_dict().items()}
+        model.model.value_residual.load_state_dict(state)
+        loaded = model(input_ids).logits
+    assert (stepped - before).abs().max().item() > 1e-3 and (loaded - stepped).abs().max().item() > 1e-3
+    assert (loaded - model(input_ids).logits).abs().max().item() <= 1e-5  # the differentiable path reads λ afresh
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    assert (loaded - reference_logits(model.config, state, input_ids)).abs().max().item() <= 1e-5
+
 def test_lambda_parameter_names_contain_value_residual_and_weights_keep_llama_names():
     model = ResFormerForCausalLM(tiny_config("learnable_plus"))
     llama_names = set(LlamaForCausalLM(LlamaConfig(**TINY)).state_dict())

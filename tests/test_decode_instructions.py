@@ -1,9 +1,10 @@
 """Regression gate (issue 32): an eager decode step of every variant executes no more instructions, relative to
 Llama's, than when last measured, and never more than its goal allows once the goal is reached.
 
-Instructions, counted by valgrind's callgrind (`benchmarks/instructions.py`), are deterministic where timings are not:
-one extra aten op per layer (~29 k instructions of dispatch at this size, +1.6 % of a step) moves the ratio by more
-than the margin, whatever else runs on the machine. One valgrind process counts Llama and every variant.
+Instructions, counted by valgrind's callgrind (`benchmarks/instructions.py`), move by tenths of a percent between runs
+where timings move by several percent: one extra aten op per layer (~29 k instructions of dispatch at this size, +1.6 %
+of a step) moves the ratio by more than the margin, whatever else runs on the machine. One valgrind process counts
+Llama and every variant (~5 CPU-minutes, most of it building the models and filling their caches under valgrind).
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ from instructions import Job, callgrind_missing, count_instructions  # noqa: E40
 
 #: The issue's size: a decode step is ~14.4 M instructions, deep enough that per-layer ops outweigh per-forward ones.
 HIDDEN, LAYERS = 256, 8
-#: Ratios to Llama measured at this setting (256×8, batch 1, 64 cached tokens) where they are above the decode goal;
+#: Cached tokens before the counted steps. Fewer than the report's 64: under valgrind a GEMM runs ~50x slower than an
+#: op's dispatch (MKL's FMA kernels are emulated), so filling the cache was most of the gate's minutes, while a step's
+#: count hardly depends on the length it attends over.
+CONTEXT = 16
+#: Ratios to Llama measured at this setting (256×8, batch 1, 16 cached tokens) where they are above the decode goal;
 #: the gate holds them there. Every value-residual variant meets its goal since v_proj's weight is read from the
-#: module's own dicts (2026-11-26: none 0.999, identity 0.998, learnable_plus 1.007, neutreno 1.006, dense 1.019,
-#: svformer 0.940). DenseFormer, a baseline, averages all earlier block outputs after every block: O(L) ops per block.
-MEASURED_ABOVE_GOAL = {"denseformer": 1.0978}
-#: Room for what moves between machines and library builds (hash seed fixed); an op per layer is ~0.016.
-MARGIN = 0.004
+#: module's own dicts and learnable λ's per-layer mixes are reused while λ stay the same (2026-11-26: none 0.988,
+#: identity 0.997, learnable 0.999, learnable_plus 1.000, neutreno 1.006, dense 1.020, svformer 0.941). DenseFormer,
+#: a baseline, averages all earlier block outputs after every block: O(L) ops per block.
+MEASURED_ABOVE_GOAL = {"denseformer": 1.0416}
+#: Room for what moves between runs and library builds: two runs of this gate moved every ratio by up to 0.004
+#: together (Llama's count, the denominator, moved); an op per layer is ~0.016.
+MARGIN = 0.008
 
 
 def limit(name: str) -> float:
@@ -39,7 +46,7 @@ def limit(name: str) -> float:
 @pytest.mark.skipif(callgrind_missing() is not None, reason=f"needs valgrind: {callgrind_missing()}")
 def test_a_decode_step_stays_within_its_instruction_limit():
     names = ["llama", *VARIANTS]
-    jobs = {name: Job(name, HIDDEN, LAYERS, batch=1, kind="decode", context=64, number=4) for name in names}
+    jobs = {name: Job(name, HIDDEN, LAYERS, batch=1, kind="decode", context=CONTEXT, number=2) for name in names}
     counts = count_instructions(list(jobs.values()), timeout=3600)
     ratios = {name: counts[job] / counts[jobs["llama"]] for name, job in jobs.items()}
     over = {name: round(ratio, 4) for name, ratio in ratios.items() if name != "llama" and ratio > limit(name)}
