@@ -144,7 +144,7 @@ def delta_cells(entry: dict) -> list[str]:
     if "delta" not in entry:
         return ["—", "—"]
     d = entry["delta"]
-    return [f"{d.mean:+.4f} ± {d.std:.4f} [{d.low:+.3f}, {d.high:+.3f}]", f"{d.negative}/{d.n} seeds lower; "
+    return [d.describe(), f"{d.negative}/{d.n} seeds lower; "
             f"{d.verdict()}"]
 
 

@@ -140,7 +140,7 @@ def write_report(args: argparse.Namespace, seeds: list[int]) -> Path | None:
                 delta, check, fewer = "—", "—", "—"
             else:
                 d = e["delta"]
-                delta = f"{d.mean:+.4f} ± {d.std:.4f} [{d.low:+.3f}, {d.high:+.3f}]"
+                delta = d.describe()
                 check = f"{d.negative}/{d.n} seeds lower; {d.verdict()}"
                 fewer = "not reached" if e["fewer_tokens"] is None else (
                     f"{100 * e['fewer_tokens'].mean:.1f}% ± {100 * e['fewer_tokens'].std:.1f}%"

@@ -106,7 +106,7 @@ def write_report(store: RunStore, variants: list[str], seeds: list[int], out: Pa
             fewer = "—"
         else:
             d = e["delta"]
-            delta = f"{d.mean:+.4f} ± {d.std:.4f} [{d.low:+.3f}, {d.high:+.3f}]"
+            delta = d.describe()
             verdict = f"{d.negative}/{d.n} seeds lower; {d.verdict()}"
             fewer = "not reached" if e["fewer_tokens"] is None else (
                 f"{100 * e['fewer_tokens'].mean:.1f}% ± {100 * e['fewer_tokens'].std:.1f}%"

@@ -84,7 +84,7 @@ def write_report(store: RunStore, arms: list[str], seeds: list[int], out: Path) 
             row += ["—", "—"]
         else:
             d = paired_difference(finals, base)
-            row += [f"{d.mean:+.4f} ± {d.std:.4f} [{d.low:+.3f}, {d.high:+.3f}]", f"{d.negative}/{d.n}: {d.verdict()}"]
+            row += [d.describe(), f"{d.negative}/{d.n}: {d.verdict()}"]
         rows.append(row)
     meta = store.meta
     lines = [

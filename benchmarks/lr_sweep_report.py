@@ -144,7 +144,7 @@ def write_report(args: argparse.Namespace, seeds: list[int]) -> Path | None:
         fewer = "not reached" if t.fewer_tokens is None else (
             f"{100 * t.fewer_tokens.mean:.1f}% ± {100 * t.fewer_tokens.std:.1f}%"
             + (f" ({t.not_reached} seed(s) never reached it)" if t.not_reached else ""))
-        tuned_rows.append([f"`{arm}`", f"{t.lr:g}", f"{d.mean:+.4f} ± {d.std:.4f} [{d.low:+.3f}, {d.high:+.3f}]",
+        tuned_rows.append([f"`{arm}`", f"{t.lr:g}", d.describe(),
                            f"{d.negative}/{d.n} seeds lower; {d.verdict()}", fewer])
     meta = next((store.meta for store in stores.values() if store.meta.get("size")), {})
     # The whole study's command (processes that split it by --lrs or --seeds fill the same stores).

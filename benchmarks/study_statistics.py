@@ -76,6 +76,12 @@ class PairedDifference:
     def significant(self) -> bool:
         return self.n > 1 and (self.high < 0 or self.low > 0)
 
+    def describe(self) -> str:
+        """`mean ± std [low, high]` as every study table prints a difference (one seed: the difference alone)."""
+        if self.n < 2:
+            return f"{self.mean:+.4f} (one seed)"
+        return f"{self.mean:+.4f} ± {self.std:.4f} [{self.low:+.3f}, {self.high:+.3f}]"
+
     def verdict(self) -> str:
         if self.n < 2:
             return "one seed: no interval"
