@@ -24,8 +24,8 @@ from instructions import Job, callgrind_missing, count_instructions  # noqa: E40
 #: The issue's size: a decode step is ~14.4 M instructions, deep enough that per-layer ops outweigh per-forward ones.
 HIDDEN, LAYERS = 256, 8
 #: Cached tokens before the counted steps. Fewer than the report's 64: under valgrind a GEMM runs ~50x slower than an
-#: op's dispatch (MKL's FMA kernels are emulated), so filling the cache was most of the gate's minutes, while a step's
-#: count hardly depends on the length it attends over.
+#: op's dispatch (MKL's FMA kernels are emulated), so filling the cache was most of the gate's minutes, while the
+#: ratios at 16 and at 64 cached tokens differ by a few tenths of a percent (cost.md has them at 64).
 CONTEXT = 16
 #: Ratios to Llama measured at this setting (256×8, batch 1, 16 cached tokens) where they are above the decode goal;
 #: the gate holds them there. Every value-residual variant meets its goal since v_proj's weight is read from the
