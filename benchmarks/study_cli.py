@@ -67,8 +67,9 @@ def load_texts(args: argparse.Namespace) -> tuple[list[str], str]:
         from resformer_hf.text import SAMPLE_DESCRIPTION, sample_text
 
         return [sample_text(args.sample_chars)], f"first {args.sample_chars:,} characters of the {SAMPLE_DESCRIPTION}"
-    names = ", ".join(p.name for p in sorted(Path(args.corpus_dir).glob("*.txt")))
-    return read_corpus(args.corpus_dir), f"{args.corpus_dir.name}/ ({names})"
+    names = [p.name for p in sorted(Path(args.corpus_dir).glob("*.txt"))]
+    listed = ", ".join(names) if len(names) <= 6 else f"{len(names)} files: {', '.join(names[:3])}, …"
+    return read_corpus(args.corpus_dir), f"{args.corpus_dir.name}/ ({listed})"
 
 
 def data_from_args(args: argparse.Namespace) -> tuple[Data, str]:
