@@ -84,7 +84,7 @@ def mix_on_output(
     """A layer's (attention values [B, H_kv, T, D], raw values for NeuTRENO, residual values for later layers)
     without gradient.
 
-    With λ as numbers (`LayerMix.first` a float, see `ValueResidual.numeric_lambdas`) a mixing layer's v_proj and
+    With λ as numbers (`LayerMix.first` a float, see `ValueResidual.layer_mixes`) a mixing layer's v_proj and
     its mix are one GEMM, `addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`, and V_0 travels as the [B·T, H_kv·D]
     matrix layer 0's GEMM wrote. Otherwise (λ tensors: compiled learnable λ, `dense`) v_proj runs as in Llama and at
     most one op mixes (dense: three) on its output; what travels then depends on the variant: V_0 (`svformer`; fixed

@@ -74,7 +74,7 @@ class ValueResidual(nn.Module):
         fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation == FIXED else None
         self.register_buffer("fixed_weights", fixed, persistent=False)
         #: (λ offsets read as numbers, the mixes built from them): `layer_mixes` reuses them while the offsets match.
-        self._numeric_mixes: tuple[tuple[list, ...], tuple[LayerMix, ...]] | None = None
+        self._numeric_mixes: tuple[dict[str, list], tuple[LayerMix, ...]] | None = None
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -142,11 +142,11 @@ class ValueResidual(nn.Module):
     def layer_mixes(self) -> tuple[LayerMix, ...]:
         """Every layer's `LayerMix` for a forward pass without gradient, λ resolved once for all layers.
 
-        Wherever it can, each λ is a Python number (`numeric_lambdas`): a mixing layer then folds the mix into v_proj's
-        GEMM (`torch.addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`), one op where Llama has its linear, and the pass
-        dispatches no op for λ at all. Fixed λ are numbers everywhere; learnable ones on the CPU when eager. The mixes
-        are kept with the λ values they were built from and reused while those read the same (every step of
-        `generate()`): building them is Python work worth ~0.5 % of a small model's decode step.
+        Wherever it can (`_offsets_as_numbers`), each λ is a Python number: a mixing layer then folds the mix into
+        v_proj's GEMM (`torch.addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`), one op where Llama has its linear, and
+        the pass dispatches no op for λ at all. Fixed λ are numbers everywhere; learnable ones on the CPU when eager.
+        The mixes are kept with the λ values they were built from and reused while those read the same (every step of
+        `generate()`): building them is Python work worth 0.6–1 % of a small model's decode step.
         """
         offsets = self._offsets_as_numbers()
         if offsets is None:
@@ -167,35 +167,29 @@ class ValueResidual(nn.Module):
         self._numeric_mixes = (offsets, mixes)
         return mixes
 
-    def _offsets_as_numbers(self) -> tuple[list, ...] | None:
-        """The learnable offsets as Python lists, in registration order (`()` for fixed λ), or None where they must
-        stay tensors: under `torch.compile` (a number read from a tensor breaks the graph), for `dense` (a matrix of
+    def _offsets_as_numbers(self) -> dict[str, list] | None:
+        """The learnable offsets as Python lists by parameter name (`{}` for fixed λ), or None where they must stay
+        tensors: under `torch.compile` (a number read from a tensor breaks the graph), for `dense` (a matrix of
         weights), for parameters off the CPU (reading them would wait for the device every step) and for sharded ones
         (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor's values dispatches no op.
         """
         if self.parameterisation == FIXED:
-            return ()
+            return {}
         if self.parameterisation == DENSE or not readable_as_numbers(self):
             return None
-        return tuple(parameter.tolist() for parameter in self._parameters.values())
+        return {name: parameter.tolist() for name, parameter in self._parameters.items()}
 
-    def numeric_lambdas(self, offsets: tuple[list, ...] | None = None) -> tuple[list[float], list[float]] | None:
-        """(λ_first, λ_self) of every receiver as Python floats, or None where they must stay tensors (see
-        `_offsets_as_numbers`, which reads `offsets` when not given). The softmax of `learnable_plus` is a handful of
-        float operations.
+    def numeric_lambdas(self, offsets: dict[str, list]) -> tuple[list[float], list[float]]:
+        """(λ_first, λ_self) of every receiver as Python floats, from `_offsets_as_numbers`. The softmax of
+        `learnable_plus` is a handful of float operations.
         """
-        offsets = self._offsets_as_numbers() if offsets is None else offsets
-        if offsets is None:
-            return None
         n = len(self.receivers)
         if self.parameterisation == FIXED:
             return [self.lambda_first_init] * n, [self.lambda_self_init] * n
+        owns = [offset + self.lambda_self_init for offset in offsets["lambda_self_offset"]]
         if self.parameterisation == PAIR:
-            first_offsets, own_offsets = offsets
-            return ([offset + self.lambda_first_init for offset in first_offsets],
-                    [offset + self.lambda_self_init for offset in own_offsets])
-        logits, (scale_offset,), own_offsets = offsets
-        owns = [offset + self.lambda_self_init for offset in own_offsets]
+            return [offset + self.lambda_first_init for offset in offsets["lambda_first_offset"]], owns
+        logits, (scale_offset,) = offsets["lambda_logits"], offsets["lambda_scale_offset"]
         if not logits:  # a one-layer model: no layer receives V_0
             return [], owns
         top = max(logits)
@@ -204,7 +198,7 @@ class ValueResidual(nn.Module):
         return [scale * exponential for exponential in exponentials], owns
 
     def _tensor_mixes(self) -> tuple[LayerMix, ...]:
-        """`layer_mixes` with λ as tensors (see `numeric_lambdas` for when).
+        """`layer_mixes` with λ as tensors (see `_offsets_as_numbers` for when).
 
         At most six small ops per forward pass (learnable_plus: the softmax, λ_scale, λ_self, a view, an unbind).
         Learnable λ_first become a [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once

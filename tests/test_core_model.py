@@ -126,7 +126,6 @@ def test_learnable_lambdas_receive_gradients(variant):
         assert parameter.grad is not None and parameter.grad.abs().sum().item() > 0, name
 
 
-
 @pytest.mark.parametrize("variant", ["learnable", "learnable_plus"])
 def test_a_pass_without_gradient_follows_lambdas_changed_in_place(variant):
     """Passes without gradient reuse the per-layer mixes built from the λ they last read (`layer_mixes`): an optimiser
@@ -145,6 +144,7 @@ def test_a_pass_without_gradient_follows_lambdas_changed_in_place(variant):
     assert (loaded - model(input_ids).logits).abs().max().item() <= 1e-5  # the differentiable path reads λ afresh
     state = {k: v.detach() for k, v in model.state_dict().items()}
     assert (loaded - reference_logits(model.config, state, input_ids)).abs().max().item() <= 1e-5
+
 
 def test_lambda_parameter_names_contain_value_residual_and_weights_keep_llama_names():
     model = ResFormerForCausalLM(tiny_config("learnable_plus"))
