@@ -2,12 +2,15 @@
 
 Timings on a shared machine move by several percent between two identical Llamas; the number of instructions a
 decode step executes does not (issue 32). One valgrind process measures a whole list of models: everything is built,
-compiled and warmed up with instrumentation off (valgrind slows that only a few times), then instrumentation is
-switched on once and each call is counted, `number` calls per count, collection switched on and off around
-exactly those calls
+compiled and warmed up with instrumentation off, then instrumentation is switched on once and each call is counted,
+`number` calls per count, collection switched on and off around exactly those calls
 (`torch._C._valgrind_toggle`, as `torch.utils.benchmark.Timer.collect_callgrind` does, but without its one process per
-statement). Python's hash seed is fixed (`PYTHONHASHSEED=0`): with randomised hashing dict lookups, and so the count,
-move by a few tenths of a percent between runs; with it two runs agree to the instruction in practice.
+statement). Valgrind runs even uninstrumented code on its emulated CPU, where MKL's FMA matrix kernels are ~50×
+slower than native: a native process first fills each decode job's cache (the prompt's prefill) into a file, which
+the counting process loads instead of computing it again, and compiles each compiled job once, so that the counting
+process finds its kernels in inductor's on-disk cache. Python's hash seed is fixed (`PYTHONHASHSEED=0`): with
+randomised hashing dict lookups, and so the count, move by a few tenths of a percent between runs; with it two runs
+agree to the instruction in practice.
 
     from instructions import Job, count_instructions
     count_instructions([Job("llama", 256, 8, 1, "decode"), Job("identity", 256, 8, 1, "decode")])
@@ -80,17 +83,23 @@ def count_instructions(jobs: list[Job], python: str | None = None, timeout: floa
         out = Path(folder) / "callgrind.out"
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
-        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-                   f"--callgrind-out-file={out}", python or shutil.which("python") or sys.executable,
-                   str(Path(__file__).resolve()), str(spec)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-        if done.returncode:
-            output = done.stdout[-4000:] + done.stderr[-4000:]
-            raise RuntimeError(f"callgrind run failed ({done.returncode}):\n{output}")
+        python = python or shutil.which("python") or sys.executable
+        script = str(Path(__file__).resolve())
+        _run([python, script, "prepare", str(spec)], env, timeout, "preparing the caches")
+        done = _run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+                     f"--callgrind-out-file={out}", python, script, "count", str(spec)], env, timeout, "callgrind run")
         dumps = sorted(Path(folder).glob("callgrind.out.*"), key=lambda path: int(path.suffix[1:]))
         if len(dumps) != len(jobs):
             raise RuntimeError(f"expected {len(jobs)} callgrind dumps, found {len(dumps)}:\n{done.stderr[-4000:]}")
         return {job: _total(dump) / job.number for job, dump in zip(jobs, dumps)}
+
+
+def _run(command: list[str], env: dict, timeout: float | None, what: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        output = done.stdout[-4000:] + done.stderr[-4000:]
+        raise RuntimeError(f"{what} failed ({done.returncode}):\n{output}")
+    return done
 
 
 def _total(dump: Path) -> int:
@@ -110,13 +119,16 @@ def _instrument(on: bool) -> None:
                    stdout=subprocess.DEVNULL)
 
 
-def _action(job: Job):
-    """(rewind, call): `call` is what is counted; `rewind` puts the cache back so that every count sees the same."""
+def _cache_file(spec: Path, index: int) -> Path:
+    return spec.with_name(f"cache-{index}.pt")
+
+
+def _build(job: Job):
+    """(model, prompt, new_cache): the same weights and prompt in every process (fixed seeds)."""
     import torch
     from cost_settings import size_fields
     from transformers import DynamicCache, StaticCache
 
-    from resformer_hf._compat import with_cache
     from resformer_hf.cache_resformer import share_first_layer_values
 
     from common import build_model
@@ -127,23 +139,55 @@ def _action(job: Job):
     model = build_model(job.name, **size).eval()
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, job.vocab_size, (job.batch, job.context), generator=generator)
-    token = prompt[:, -1:]
-    compiled = job.kind == "compiled decode"
 
     def new_cache():
-        if compiled:
+        if job.kind == "compiled decode":
             return StaticCache(config=model.config, max_cache_len=job.context + job.number + 1)
         cache = DynamicCache(config=model.config)
         if getattr(model.config, "layers_without_value_projection", None):  # SVFormer: values once, as generate()
             share_first_layer_values(cache)
         return cache
 
+    return model, prompt, new_cache
+
+
+def _prefill(model, prompt, cache):
+    from resformer_hf._compat import with_cache
+
+    model(prompt, **with_cache(cache), use_cache=True)
+    return cache
+
+
+def _load_cache(path: Path):
+    """A cache `_prepare` saved, its static buffers marked as `StaticLayer` marks them (pickling drops the mark)."""
+    import torch
+    from transformers.cache_utils import StaticLayer
+
+    cache = torch.load(path, weights_only=False)  # written by this run's own preparing process
+    for layer in cache.layers:
+        if isinstance(layer, StaticLayer):
+            for name in ("keys", "values", "cumulative_length"):
+                if isinstance(layer.__dict__.get(name), torch.Tensor):
+                    torch._dynamo.mark_static_address(layer.__dict__[name])
+    return cache
+
+
+def _action(job: Job, cache_file: Path | None = None):
+    """(rewind, call): `call` is what is counted; `rewind` puts the cache back so that every count sees the same.
+
+    A decode job's cache is loaded from `cache_file` when given (prefilled by `_prepare`), else prefilled here.
+    """
+    import torch
+
+    from resformer_hf._compat import with_cache
+
+    model, prompt, new_cache = _build(job)
     if job.kind == "prefill":
         return (lambda: None), lambda: model(prompt, **with_cache(new_cache()), use_cache=True)
-    cache = new_cache()
-    with torch.no_grad():
-        model(prompt, **with_cache(cache), use_cache=True)
+    compiled = job.kind == "compiled decode"
+    cache = _load_cache(cache_file) if cache_file else _prefill(model, prompt, new_cache())
     forward = torch.compile(model.forward, fullgraph=True) if compiled else model.forward
+    token = prompt[:, -1:]
 
     def rewind():
         length = cache.get_seq_length()
@@ -156,6 +200,28 @@ def _action(job: Job):
     return rewind, lambda: forward(token, **with_cache(cache), use_cache=True)
 
 
+def _prepare(spec: Path) -> None:
+    """Natively, for every decode job: its prefilled cache into a file; compiled jobs also compiled and run once, which
+    leaves their kernels in inductor's on-disk cache for the counting process."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
+    with torch.no_grad():
+        for index, job in enumerate(_jobs(spec)):
+            if job.kind == "prefill":
+                continue
+            model, prompt, new_cache = _build(job)
+            torch.save(_prefill(model, prompt, new_cache()), _cache_file(spec, index))
+            if job.kind == "compiled decode":
+                rewind, call = _action(job, _cache_file(spec, index))
+                _repeat(rewind, call, job.number)
+
+
+def _jobs(spec: Path) -> list[Job]:
+    return [Job(**fields) for fields in json.loads(spec.read_text())]
+
+
 def _worker(spec: Path) -> None:
     """Build and warm up every job's call uninstrumented, then switch instrumentation on once and count each.
 
@@ -166,11 +232,11 @@ def _worker(spec: Path) -> None:
 
     torch.set_num_threads(1)
     torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
-    jobs = [Job(**fields) for fields in json.loads(spec.read_text())]
+    jobs = _jobs(spec)
     actions = []
     with torch.no_grad():
-        for job in jobs:
-            rewind, call = _action(job)
+        for index, job in enumerate(jobs):
+            rewind, call = _action(job, None if job.kind == "prefill" else _cache_file(spec, index))
             for _ in range(2):  # warm-up: first calls compile and fill caches
                 _repeat(rewind, call, job.number)
             actions.append((rewind, call))
@@ -197,4 +263,4 @@ def _repeat(rewind, call, number: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    {"prepare": _prepare, "count": _worker}[sys.argv[1]](Path(sys.argv[2]))
