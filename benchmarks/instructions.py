@@ -6,11 +6,11 @@ compiled and warmed up with instrumentation off, then instrumentation is switche
 `number` calls per count, collection switched on and off around exactly those calls
 (`torch._C._valgrind_toggle`, as `torch.utils.benchmark.Timer.collect_callgrind` does, but without its one process per
 statement). Valgrind runs even uninstrumented code on its emulated CPU, where MKL's FMA matrix kernels are ~50×
-slower than native: a native process first fills each decode job's cache (the prompt's prefill) into a file, which
-the counting process loads instead of computing it again, and compiles each compiled job once, so that the counting
-process finds its kernels in inductor's on-disk cache. Python's hash seed is fixed (`PYTHONHASHSEED=0`): with
-randomised hashing dict lookups, and so the count, move by a few tenths of a percent between runs; with it two runs
-agree to the instruction in practice.
+slower than native: a native process first builds each job's model and prompt and prefills a decode job's cache,
+into a file that the counting process loads instead of initialising weights and prefilling again, and runs each
+compiled job once, so that the counting process finds its kernels in inductor's on-disk cache. Python's hash seed is
+fixed (`PYTHONHASHSEED=0`): with randomised hashing dict lookups, and so the count, move by a few tenths of a percent
+between runs; with it two runs agree to the instruction in practice.
 
     from instructions import Job, count_instructions
     count_instructions([Job("llama", 256, 8, 1, "decode"), Job("identity", 256, 8, 1, "decode")])
@@ -119,17 +119,14 @@ def _instrument(on: bool) -> None:
                    stdout=subprocess.DEVNULL)
 
 
-def _cache_file(spec: Path, index: int) -> Path:
-    return spec.with_name(f"cache-{index}.pt")
+def _prepared_file(spec: Path, index: int) -> Path:
+    return spec.with_name(f"prepared-{index}.pt")
 
 
 def _build(job: Job):
     """(model, prompt, new_cache): the same weights and prompt in every process (fixed seeds)."""
     import torch
     from cost_settings import size_fields
-    from transformers import DynamicCache, StaticCache
-
-    from resformer_hf.cache_resformer import share_first_layer_values
 
     from common import build_model
 
@@ -139,53 +136,69 @@ def _build(job: Job):
     model = build_model(job.name, **size).eval()
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, job.vocab_size, (job.batch, job.context), generator=generator)
-
-    def new_cache():
-        if job.kind == "compiled decode":
-            return StaticCache(config=model.config, max_cache_len=job.context + job.number + 1)
-        cache = DynamicCache(config=model.config)
-        if getattr(model.config, "layers_without_value_projection", None):  # SVFormer: values once, as generate()
-            share_first_layer_values(cache)
-        return cache
-
-    return model, prompt, new_cache
+    return model, prompt
 
 
-def _prefill(model, prompt, cache):
-    from resformer_hf._compat import with_cache
+def _new_cache(job: Job, model):
+    """An empty cache as the counted call uses it: static for a compiled step, else dynamic as `generate()`'s."""
+    from transformers import DynamicCache, StaticCache
 
-    model(prompt, **with_cache(cache), use_cache=True)
+    from resformer_hf.cache_resformer import share_first_layer_values
+
+    if job.kind == "compiled decode":
+        return StaticCache(config=model.config, max_cache_len=job.context + job.number + 1)
+    cache = DynamicCache(config=model.config)
+    if getattr(model.config, "layers_without_value_projection", None):  # SVFormer: values once, as generate()
+        share_first_layer_values(cache)
     return cache
 
 
-def _load_cache(path: Path):
-    """A cache `_prepare` saved, its static buffers marked as `StaticLayer` marks them (pickling drops the mark)."""
+def _prepare(spec: Path) -> None:
+    """Natively, for every job: its model, prompt and (decode) prefilled cache into a file, which the counting process
+    loads instead of initialising weights and prefilling under valgrind; compiled jobs are also compiled and run once,
+    which leaves their kernels in inductor's on-disk cache for the counting process."""
+    import torch
+
+    from resformer_hf._compat import with_cache
+
+    with torch.no_grad():
+        for index, job in enumerate(_jobs(spec)):
+            model, prompt = _build(job)
+            cache = None
+            if job.kind != "prefill":
+                cache = _new_cache(job, model)
+                model(prompt, **with_cache(cache), use_cache=True)
+            torch.save({"model": model, "prompt": prompt, "cache": cache}, _prepared_file(spec, index))
+            if job.kind == "compiled decode":
+                _repeat(*_action(job, _prepared_file(spec, index)), job.number)
+
+
+def _load(path: Path) -> tuple:
+    """(model, prompt, cache) as `_prepare` saved them; a static cache's buffers marked as `StaticLayer` marks them
+    (pickling drops the mark)."""
     import torch
     from transformers.cache_utils import StaticLayer
 
-    cache = torch.load(path, weights_only=False)  # written by this run's own preparing process
-    for layer in cache.layers:
+    saved = torch.load(path, weights_only=False)  # written by this count's own preparing process
+    cache = saved["cache"]
+    for layer in getattr(cache, "layers", ()):
         if isinstance(layer, StaticLayer):
             for name in ("keys", "values", "cumulative_length"):
                 if isinstance(layer.__dict__.get(name), torch.Tensor):
                     torch._dynamo.mark_static_address(layer.__dict__[name])
-    return cache
+    return saved["model"], saved["prompt"], cache
 
 
-def _action(job: Job, cache_file: Path | None = None):
-    """(rewind, call): `call` is what is counted; `rewind` puts the cache back so that every count sees the same.
-
-    A decode job's cache is loaded from `cache_file` when given (prefilled by `_prepare`), else prefilled here.
-    """
+def _action(job: Job, prepared: Path):
+    """(rewind, call): `call` is what is counted; `rewind` puts the cache back so that every count sees the same."""
     import torch
 
     from resformer_hf._compat import with_cache
 
-    model, prompt, new_cache = _build(job)
+    model, prompt, cache = _load(prepared)
     if job.kind == "prefill":
-        return (lambda: None), lambda: model(prompt, **with_cache(new_cache()), use_cache=True)
+        return (lambda: None), lambda: model(prompt, **with_cache(_new_cache(job, model)), use_cache=True)
     compiled = job.kind == "compiled decode"
-    cache = _load_cache(cache_file) if cache_file else _prefill(model, prompt, new_cache())
     forward = torch.compile(model.forward, fullgraph=True) if compiled else model.forward
     token = prompt[:, -1:]
 
@@ -200,43 +213,23 @@ def _action(job: Job, cache_file: Path | None = None):
     return rewind, lambda: forward(token, **with_cache(cache), use_cache=True)
 
 
-def _prepare(spec: Path) -> None:
-    """Natively, for every decode job: its prefilled cache into a file; compiled jobs also compiled and run once, which
-    leaves their kernels in inductor's on-disk cache for the counting process."""
-    import torch
-
-    torch.set_num_threads(1)
-    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
-    with torch.no_grad():
-        for index, job in enumerate(_jobs(spec)):
-            if job.kind == "prefill":
-                continue
-            model, prompt, new_cache = _build(job)
-            torch.save(_prefill(model, prompt, new_cache()), _cache_file(spec, index))
-            if job.kind == "compiled decode":
-                rewind, call = _action(job, _cache_file(spec, index))
-                _repeat(rewind, call, job.number)
-
-
 def _jobs(spec: Path) -> list[Job]:
     return [Job(**fields) for fields in json.loads(spec.read_text())]
 
 
 def _worker(spec: Path) -> None:
-    """Build and warm up every job's call uninstrumented, then switch instrumentation on once and count each.
+    """Load and warm up every job's call uninstrumented, then switch instrumentation on once and count each.
 
     Instrumentation is switched on only once: switched off and on again, callgrind went on running some code
     uninstrumented and counted a fraction of a step.
     """
     import torch
 
-    torch.set_num_threads(1)
-    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
     jobs = _jobs(spec)
     actions = []
     with torch.no_grad():
         for index, job in enumerate(jobs):
-            rewind, call = _action(job, None if job.kind == "prefill" else _cache_file(spec, index))
+            rewind, call = _action(job, _prepared_file(spec, index))
             for _ in range(2):  # warm-up: first calls compile and fill caches
                 _repeat(rewind, call, job.number)
             actions.append((rewind, call))
@@ -262,5 +255,13 @@ def _repeat(rewind, call, number: int) -> None:
         call()
 
 
+def _main(mode: str, spec: Path) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 1024
+    {"prepare": _prepare, "count": _worker}[mode](spec)
+
+
 if __name__ == "__main__":
-    {"prepare": _prepare, "count": _worker}[sys.argv[1]](Path(sys.argv[2]))
+    _main(sys.argv[1], Path(sys.argv[2]))
