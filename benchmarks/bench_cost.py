@@ -19,7 +19,8 @@ decode step and prefill (`instruction_report.py`, `instructions.py`): determinis
 both decode steps: 1.01 of Llama's, `dense` 1.03, NeuTRENO 1.02, SVFormer 1.00.
 
 Writes `benchmarks/results/cost.{md,png}` and the README's cost paragraphs (between `<!-- cost:begin/end -->` and
-`<!-- cost-instructions:begin/end -->`); `--only-instructions` rewrites only the instruction blocks.
+`<!-- cost-instructions:begin/end -->`); `--only-instructions` rewrites only the instruction blocks, and
+`--instructions-from-store` rewrites them from the counts already stored, counting nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from cost_settings import size_fields as _size_fields
 from instruction_report import (
     instruction_readme_block,
     instruction_section,
+    load_counts,
     measure_instructions,
     save_counts,
 )
@@ -295,6 +297,8 @@ def main(argv=None) -> None:
     parser.add_argument("--instruction-kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--instruction-runs", type=int, default=2, help="fresh processes per count (default 2)")
     parser.add_argument("--no-instructions", action="store_true", help="skip the instruction counts (valgrind)")
+    parser.add_argument("--instructions-from-store", action="store_true",
+                        help="count and time nothing: rewrite the instruction blocks from instructions.json")
     parser.add_argument("--only-instructions", action="store_true",
                         help="count instructions only; rewrite just their blocks of cost.md and the README")
     args = parser.parse_args(argv)
@@ -303,7 +307,7 @@ def main(argv=None) -> None:
     device = setup_device(args)
     clock_of(args, device)  # refuses --clock cpu on a GPU before anything is built
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if not args.only_instructions:
+    if not (args.only_instructions or args.instructions_from_store):
         timings(args, device)
     if not args.no_instructions:
         instructions(args)
@@ -313,15 +317,20 @@ def instructions(args) -> None:
     """Count instructions (`instruction_report.py`), add them to the store beside cost.md and rewrite the instruction
     blocks of cost.md and the README from everything the store holds."""
     store = Path(args.out) / "instructions.json"
-    result = measure_instructions(args.instruction_sizes, args.instruction_batches, args.variants,
-                                  args.instruction_kinds, args.instruction_runs, vocab_size=args.vocab_size,
-                                  head_dim=args.head_dim)
-    command = "python benchmarks/bench_cost.py --only-instructions " + " ".join([
-        "--instruction-sizes", *(f"{h}x{n}" for h, n in args.instruction_sizes), "--instruction-batches",
-        *map(str, args.instruction_batches), "--instruction-kinds", *(f"'{k}'" for k in args.instruction_kinds),
-        "--instruction-runs", str(args.instruction_runs),
-        *(["--variants", *args.variants] if args.variants != DEFAULT_VARIANTS else [])])
-    result = save_counts({**result, "commands": [command]}, store)  # joins what side-by-side commands stored
+    if args.instructions_from_store:
+        result = load_counts(store)
+        if result is None:
+            raise SystemExit(f"--instructions-from-store: {store} does not exist; count first (--only-instructions)")
+    else:
+        result = measure_instructions(args.instruction_sizes, args.instruction_batches, args.variants,
+                                      args.instruction_kinds, args.instruction_runs, vocab_size=args.vocab_size,
+                                      head_dim=args.head_dim)
+        command = "python benchmarks/bench_cost.py --only-instructions " + " ".join([
+            "--instruction-sizes", *(f"{h}x{n}" for h, n in args.instruction_sizes), "--instruction-batches",
+            *map(str, args.instruction_batches), "--instruction-kinds", *(f"'{k}'" for k in args.instruction_kinds),
+            "--instruction-runs", str(args.instruction_runs),
+            *(["--variants", *args.variants] if args.variants != DEFAULT_VARIANTS else [])])
+        result = save_counts({**result, "commands": [command]}, store)  # joins what side-by-side commands stored
     commands = " then ".join(f"`{c}`" for c in result["commands"])
     rewrite_readme_block("instructions", f"Regenerate: {commands} (each adds its counts to "
                          "`instructions.json`).\n\n" + instruction_section(result), page=Path(args.out) / "cost.md")

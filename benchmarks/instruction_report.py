@@ -144,6 +144,8 @@ def instruction_section(result: dict) -> str:
     ]
     for hidden, layers in result["sizes"]:
         for batch in result["batches"]:
+            if not any(key[1:4] == (hidden, layers, batch) for key in result["counts"][0]):
+                continue  # no command counted this size at this batch
             lines += ["", f"### hidden {hidden}, {layers} layers, batch {batch}",
                       f"Llama, millions of instructions per call: {_llama_line(result, hidden, layers, batch)}.", "",
                       markdown_table(["variant", *result["kinds"]],

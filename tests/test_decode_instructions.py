@@ -97,6 +97,10 @@ def test_later_counts_join_the_store_and_cells_not_counted_show_a_dash(tmp_path,
     assert both["counts"][0][("identity", 512, 12, 1, "decode")] == 99.0 * 12
     section = instruction_report.instruction_section(both)
     assert "| `identity` | 0.9900 | 0.9900 |" in section and "| `identity` | 0.9900 | – |" in section
+    batch_8 = instruction_report.measure_instructions([(256, 8)], [8], ["identity"], ["decode"], runs=1)
+    with_batch_8 = instruction_report.instruction_section(instruction_report.save_counts(batch_8, store))
+    assert "### hidden 256, 8 layers, batch 8" in with_batch_8  # counted at one size only:
+    assert "### hidden 512, 12 layers, batch 8" not in with_batch_8  # a size no command counted has no table
     other = instruction_report.measure_instructions([(256, 8)], [1], ["identity"], ["prefill"], runs=1, number=2)
     replaced = instruction_report.save_counts(other, store)
     assert replaced["kinds"] == ["prefill"] and ("identity", 512, 12, 1, "decode") not in replaced["counts"][0]
