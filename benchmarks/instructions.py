@@ -85,7 +85,7 @@ def count_instructions(jobs: list[Job], python: str | None = None, timeout: floa
                "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
         python = python or shutil.which("python") or sys.executable
         script = str(Path(__file__).resolve())
-        _run([python, script, "prepare", str(spec)], env, timeout, "preparing the caches")
+        _run([python, script, "prepare", str(spec)], env, timeout, "preparing the models and caches")
         done = _run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
                      f"--callgrind-out-file={out}", python, script, "count", str(spec)], env, timeout, "callgrind run")
         dumps = sorted(Path(folder).glob("callgrind.out.*"), key=lambda path: int(path.suffix[1:]))
@@ -124,7 +124,7 @@ def _prepared_file(spec: Path, index: int) -> Path:
 
 
 def _build(job: Job):
-    """(model, prompt, new_cache): the same weights and prompt in every process (fixed seeds)."""
+    """(model, prompt): the same weights and prompt in every process (fixed seeds)."""
     import torch
     from cost_settings import size_fields
 
