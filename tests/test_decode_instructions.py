@@ -4,8 +4,9 @@ Llama's, than when last measured, and never more than its goal allows once the g
 Instructions, counted by valgrind's callgrind (`benchmarks/instructions.py`), move by tenths of a percent between runs
 where timings move by several percent: one extra aten op per layer (~29 k instructions of dispatch at this size, +1.6 %
 of a step) moves the ratio by more than the margin, whatever else runs on the machine. One valgrind process counts
-Llama and every variant (~2.5 CPU-minutes: importing transformers under valgrind, loading the models a native process
-built and prefilled, warming up and counting).
+Llama and every variant in ~2 CPU-minutes: 13 s for a native process to build and prefill the models, then under
+valgrind a minute importing transformers (which imports torch._dynamo, and hqq and torchao where installed) and 45 s
+loading, warming up and counting.
 """
 
 from __future__ import annotations
