@@ -170,7 +170,7 @@ def _prepare(spec: Path) -> None:
                 model(prompt, **with_cache(cache), use_cache=True)
             torch.save({"model": model, "prompt": prompt, "cache": cache}, _prepared_file(spec, index))
             if job.kind == "compiled decode":
-                _repeat(*_action(job, _prepared_file(spec, index)), job.number)
+                _repeat(*_action(job, model, prompt, cache), job.number)
 
 
 def _load(path: Path) -> tuple:
@@ -189,13 +189,12 @@ def _load(path: Path) -> tuple:
     return saved["model"], saved["prompt"], cache
 
 
-def _action(job: Job, prepared: Path):
+def _action(job: Job, model, prompt, cache):
     """(rewind, call): `call` is what is counted; `rewind` puts the cache back so that every count sees the same."""
     import torch
 
     from resformer_hf._compat import with_cache
 
-    model, prompt, cache = _load(prepared)
     if job.kind == "prefill":
         return (lambda: None), lambda: model(prompt, **with_cache(_new_cache(job, model)), use_cache=True)
     compiled = job.kind == "compiled decode"
@@ -229,7 +228,7 @@ def _worker(spec: Path) -> None:
     actions = []
     with torch.no_grad():
         for index, job in enumerate(jobs):
-            rewind, call = _action(job, _prepared_file(spec, index))
+            rewind, call = _action(job, *_load(_prepared_file(spec, index)))
             for _ in range(2):  # warm-up: first calls compile and fill caches
                 _repeat(rewind, call, job.number)
             actions.append((rewind, call))

@@ -129,7 +129,7 @@ def test_a_prepared_call_computes_what_a_model_built_in_this_process_computes(tm
         expected = model(prompt, use_cache=True)
         if kind != "prefill":
             expected = model(prompt[:, -1:], **with_cache(expected.past_key_values), use_cache=True)
-        rewind, call = instructions._action(job, instructions._prepared_file(spec, 0))
+        rewind, call = instructions._action(job, *instructions._load(instructions._prepared_file(spec, 0)))
         for _ in range(2):
             rewind()
             call()
