@@ -1,0 +1,213 @@
+"""Item 3 of the GPU run: a training step at a realistic size, every variant against a same-shape Llama.
+
+About 134M parameters (hidden 768, 12 layers, 12 heads, vocabulary 32,000, MLP 2048), context 2048, 8 sequences
+per step, float32 weights under bf16 autocast, SDPA attention, fused AdamW: what a user's first GPU run looks like.
+Every model lives on the device at once so that repetitions interleave (round-robin, rotated), and each variant's
+ratio is taken to the Llama timed in the same rounds: eager first (every variant, seconds), then `torch.compile`d
+models, Llama first, in order of interest for as long as the part's time lasts (compiling dominates: the first steps'
+seconds are reported).
+
+Memory is what `torch.cuda.max_memory_allocated` would read with only that model on the device: its parameters and
+optimiser state (resident), plus the peak a step allocates beyond what was allocated before it (activations,
+gradients, the loss's float32 logits). The goals (issue 40): mixing variants at most 1.02 of Llama's time and 1.005
+of its memory, `dense` 1.05 / 1.03, SVFormer below 1 on both. Where one is missed, one profiled step of it and of
+Llama gives the kernels that differ.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from resformer_hf import ResFormerConfig, ResFormerForCausalLM
+
+PART = "training"
+LLAMA = "llama"
+SIZE = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+            num_key_value_heads=12, max_position_embeddings=2048)
+SMOKE_SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=64)
+BATCH, CONTEXT, SMOKE_BATCH, SMOKE_CONTEXT = 8, 2048, 2, 64
+#: Compiled in this order while time lasts: the default variant and the other headline arms first.
+PRIORITY = [LLAMA, "learnable_plus", "svformer", "identity", "dense", "neutreno", "learnable", "constant", "sparse",
+            "denseformer", "none"]
+GOALS = {"dense": (1.05, 1.03), "svformer": (1.0, 1.0)}
+MIXING_GOAL = (1.02, 1.005)
+TIMED_ROUNDS, SMOKE_ROUNDS = 8, 2
+
+
+def goal(variant: str) -> tuple[float, float]:
+    """(time, memory) ratio to Llama the variant must stay within (strictly below for SVFormer)."""
+    return GOALS.get(variant, MIXING_GOAL)
+
+
+class Trainee:
+    """One model with its fused AdamW and a fixed batch: `step()` is one optimiser step under bf16 autocast."""
+
+    def __init__(self, variant: str, size: dict, batch: torch.Tensor, device: torch.device):
+        torch.manual_seed(0)
+        config = LlamaConfig(**size) if variant == LLAMA else ResFormerConfig(**size, value_residual=variant)
+        config._attn_implementation = "sdpa"
+        model_class = LlamaForCausalLM if variant == LLAMA else ResFormerForCausalLM
+        self.variant, self.device, self.batch = variant, device, batch
+        with device:  # initialised where it trains: seconds saved per model on a GPU
+            self.model = model_class(config).train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+        self.forward = self.model
+
+    def compile(self, backend: str) -> None:
+        self.forward = torch.compile(self.model, backend=backend)
+
+    def step(self) -> float:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.forward(input_ids=self.batch, labels=self.batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def resident_bytes(self) -> int:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        tensors += [value for state in self.optimizer.state.values() for value in state.values()
+                    if isinstance(value, torch.Tensor)]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors if tensor.device == self.device)
+
+    def peak_bytes(self) -> int:
+        """Resident bytes plus the peak one step allocates beyond what was allocated before it."""
+        if self.device.type != "cuda":
+            return self.resident_bytes()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        self.step()
+        torch.cuda.synchronize()
+        return self.resident_bytes() + torch.cuda.max_memory_allocated() - before
+
+
+def timed_step(trainee: Trainee) -> float:
+    """Seconds of one step (device events on a GPU)."""
+    if trainee.device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        trainee.step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+    started = time.perf_counter()
+    trainee.step()
+    return time.perf_counter() - started
+
+
+def interleaved(trainees: dict[str, Trainee], rounds: int) -> dict[str, float]:
+    """Median step seconds of each, timed round-robin with the order rotated every round."""
+    samples = {name: [] for name in trainees}
+    names = list(trainees)
+    for round_ in range(rounds):
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            samples[name].append(timed_step(trainees[name]))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def record_ratios(recorder, mode: str, trainees: dict[str, Trainee], seconds: dict[str, float], peaks: dict,
+                  tokens: int, extra: dict | None = None) -> dict[str, tuple[float, float]]:
+    ratios = {}
+    for name, step_s in seconds.items():
+        time_ratio, memory_ratio = step_s / seconds[LLAMA], peaks[name] / peaks[LLAMA]
+        ratios[name] = (time_ratio, memory_ratio)
+        time_goal, memory_goal = goal(name)
+        strict = name == "svformer"
+        ok = None if name == LLAMA else (
+            (time_ratio < time_goal and memory_ratio < memory_goal) if strict
+            else (time_ratio <= time_goal and memory_ratio <= memory_goal))
+        recorder.write(PART, f"{mode}/{name}", ok=ok, step_ms=step_s * 1e3, tokens_per_s=tokens / step_s,
+                       time_ratio=time_ratio, peak_bytes=peaks[name], memory_ratio=memory_ratio,
+                       goal=[time_goal, memory_goal], **(extra or {}).get(name, {}))
+    return ratios
+
+
+def profile_difference(recorder, mode: str, llama: Trainee, other: Trainee) -> None:
+    """One profiled step of each: the kernels whose device time differs most (where a goal is missed)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if other.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    totals = {}
+    for trainee in (llama, other):
+        with torch.profiler.profile(activities=activities) as profiler:
+            trainee.step()
+            if trainee.device.type == "cuda":
+                torch.cuda.synchronize()
+        attribute = "self_device_time_total" if other.device.type == "cuda" else "self_cpu_time_total"
+        totals[trainee.variant] = {event.key: getattr(event, attribute, 0.0) for event in profiler.key_averages()}
+    keys = set(totals[llama.variant]) | set(totals[other.variant])
+    differences = sorted(((totals[other.variant].get(key, 0.0) - totals[llama.variant].get(key, 0.0), key)
+                          for key in keys), reverse=True)
+    recorder.write(PART, f"{mode}/{other.variant}/profile", ok=None,
+                   more_us=[[key[:90], round(delta, 1)] for delta, key in differences[:12]],
+                   less_us=[[key[:90], round(delta, 1)] for delta, key in differences[-5:]])
+
+
+def measure(recorder, mode: str, trainees: dict[str, Trainee], rounds: int, tokens: int,
+            extra: dict | None = None) -> None:
+    peaks = {name: trainee.peak_bytes() for name, trainee in trainees.items()}
+    seconds = interleaved(trainees, rounds)
+    ratios = record_ratios(recorder, mode, trainees, seconds, peaks, tokens, extra)
+    missed = [name for name, (t, m) in ratios.items() if name != LLAMA and (t > goal(name)[0] or m > goal(name)[1])]
+    if missed:
+        worst = max(missed, key=lambda name: ratios[name][0])
+        with recorder.guarded(PART, f"{mode}/{worst}/profile"):
+            profile_difference(recorder, mode, trainees[LLAMA], trainees[worst])
+
+
+SMOKE_VARIANTS = [LLAMA, "learnable_plus", "svformer"]
+
+
+def run(recorder, schedule, plan) -> None:
+    device, smoke = plan.device, plan.smoke
+    variants = plan.pick(PRIORITY, SMOKE_VARIANTS)
+    size, batch_size, context = (SMOKE_SIZE, SMOKE_BATCH, SMOKE_CONTEXT) if smoke else (SIZE, BATCH, CONTEXT)
+    rounds = SMOKE_ROUNDS if smoke else TIMED_ROUNDS
+    batch = torch.randint(3, size["vocab_size"], (batch_size, context), generator=torch.Generator().manual_seed(0))
+    batch = batch.to(device)
+    tokens = batch.numel()
+    trainees: dict[str, Trainee] = {}
+    for name in variants:
+        with recorder.guarded(PART, f"eager/{name}"):
+            trainee = Trainee(name, size, batch, device)
+            trainee.step()  # optimiser state exists from here on: it counts as resident
+            trainees[name] = trainee
+    recorder.write(PART, "setup", ok=LLAMA in trainees, parameters={
+        name: sum(p.numel() for p in trainee.model.parameters()) for name, trainee in trainees.items()},
+        batch=batch_size, context=context)
+    if LLAMA not in trainees:
+        return
+    measure(recorder, "eager", trainees, rounds, tokens)
+    compiled: dict[str, Trainee] = {}
+    compile_seconds: dict[str, dict] = {}
+    backend = "aot_eager" if smoke else "inductor"
+    for name in [name for name in variants if name in trainees]:
+        if not schedule.allows(45.0 if not smoke else 1.0) and name != LLAMA:
+            recorder.write(PART, f"compiled/{name}", ok=None, skipped="time")
+            continue
+        with recorder.guarded(PART, f"compiled/{name}"):
+            trainee = trainees[name]
+            trainee.compile(backend)
+            started = time.perf_counter()
+            trainee.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            first = time.perf_counter() - started
+            trainee.step()
+            compiled[name] = trainee
+            compile_seconds[name] = {"first_step_s": round(first, 1)}
+            print(f"compiled {name}: first step {first:.1f}s", flush=True)
+    if LLAMA in compiled and len(compiled) > 1:
+        measure(recorder, "compiled", compiled, rounds, tokens, compile_seconds)
+    for trainee in trainees.values():
+        trainee.optimizer.state.clear()
+    trainees.clear()
+    compiled.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
