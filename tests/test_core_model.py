@@ -403,3 +403,49 @@ def test_compiled_training_step_gives_the_eager_gradients(variant):
     compiled = gradients(torch.compile(model, backend="aot_eager", fullgraph=True))
     for name, grad in eager.items():
         assert torch.allclose(compiled[name], grad, atol=1e-6, rtol=1e-5), name
+
+
+def compiled_step_peak_bytes(model, input_ids) -> int:
+    """Peak bytes of the tensors alive during one compiled bf16-autocast training step (forward and backward), from
+    the profiler's memory timeline: the quantity `torch.cuda.max_memory_allocated` reads on a GPU, counted exactly."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    # aot_eager_decomp_partition: AOTAutograd with inductor's decompositions and min-cut partitioner, without codegen.
+    compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(input_ids, labels=input_ids, use_cache=False).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # compiles
+    with torch.profiler.profile(profile_memory=True, record_shapes=True, with_stack=True) as profiler:
+        step()
+    live, total, peak = {}, 0, 0
+    for _, action, key, size in profiler._memory_profile().timeline:
+        if action.name == "CREATE":
+            live[key], total = size, total + size
+        elif action.name == "DESTROY":
+            total -= live.pop(key, 0)
+        peak = max(peak, total)
+    return peak
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["identity", "learnable_plus"])
+def test_compiled_training_step_peaks_at_llamas_memory(variant):
+    """Under torch.compile the mix is plain ops the partitioner sees through (`_project_and_mix_traced`): with the
+    eager path's autograd function instead, `identity` peaked 2.9% and `learnable_plus` 4.2% above a compiled Llama
+    here (an H200 measured `identity` at 1.026 at 134M parameters). A learnable λ_first keeps one values tensor for
+    its gradient."""
+    size = dict(TINY, hidden_size=64, intermediate_size=128, num_key_value_heads=4, max_position_embeddings=512)
+    input_ids = torch.randint(3, 128, (2, 512))
+    torch.manual_seed(0)
+    llama = compiled_step_peak_bytes(LlamaForCausalLM(LlamaConfig(**size)).train(), input_ids)
+    torch.manual_seed(0)
+    resformer = compiled_step_peak_bytes(ResFormerForCausalLM(tiny_config(variant, **size)).train(), input_ids)
+    values_bytes = 2 * 512 * 64 * 2  # one bf16 [B, H_kv, T, D] tensor
+    allowed = values_bytes if variant == "learnable_plus" else 0
+    assert resformer - llama <= allowed + 1024, (resformer, llama)
