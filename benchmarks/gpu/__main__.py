@@ -11,7 +11,7 @@ Every result is a JSON line in `OUT/gpu.jsonl`, flushed as it is measured, so a 
 what it measured; `--seconds` (default 390) is shared out between the parts, which each stop starting work when
 their share is spent and record what they skipped. Then, here:
 
-    python -m benchmarks.gpu --report OUT/gpu.jsonl     # writes benchmarks/results/gpu.md
+    python -m benchmarks.gpu --report benchmarks/results/gpu/run*.jsonl   # writes benchmarks/results/gpu.md
 
 `--smoke` runs every part at toy size on the CPU in about a minute (compiling with dynamo's eager backends): CI runs
 it (tests/test_gpu_run.py), so the prepared command never rots between the sessions that have a GPU.
@@ -63,12 +63,13 @@ def main(argv=None) -> None:
     parser.add_argument("--smoke", action="store_true", help="every part at toy size on the CPU")
     parser.add_argument("--variants", nargs="+", default=[], metavar="NAME",
                         help="only these variants (and the Llama control): a rerun for what a run skipped")
-    parser.add_argument("--report", type=Path, metavar="JSONL", help="write benchmarks/results/gpu.md from a run")
+    parser.add_argument("--report", type=Path, nargs="+", metavar="JSONL",
+                        help="write benchmarks/results/gpu.md from these runs (later rows replace earlier)")
     args = parser.parse_args(argv)
     if args.report:
         from .report import write_report
 
-        print(f"wrote {write_report(args.report)}")
+        print(f"wrote {write_report(*args.report)}")
         return
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -76,8 +77,8 @@ def main(argv=None) -> None:
     allow_recompiles()
     started = time.monotonic()
     recorder = Recorder(args.out / "gpu.jsonl", started)
-    recorder.write("run", "environment", ok=None, smoke=args.smoke, parts=args.parts, seconds=args.seconds,
-                   **environment(device))
+    recorder.write("run", "environment", ok=None, smoke=args.smoke, parts=args.parts, variants=args.variants,
+                   seconds=args.seconds, **environment(device))
     plan = Plan(device, args.smoke, tuple(args.variants))
     schedule = Schedule(args.seconds, {part: SHARES[part] for part in args.parts})
     for part in args.parts:
