@@ -51,7 +51,7 @@ class LayerMix(NamedTuple):
     extends: bool  #: `dense`: a later layer whose values even later layers read
     first: float | torch.Tensor  #: λ_first (float), a [R, 1, 1, 1, 1] column (learnable), or dense offsets [R, L]
     first_init: float | None  #: λ_first's configured value (`dense` adds it to its offsets)
-    own: float | torch.Tensor  #: λ_self: a float, or a 0-dim tensor when learnable
+    own: float | torch.Tensor  #: λ_self: a float, or a 0-dim tensor for a receiver whose learnable λ are tensors
 
 
 def readable_as_numbers(module: nn.Module) -> bool:
@@ -84,29 +84,26 @@ def mix_on_output(
     """A layer's (attention values [B, H_kv, T, D], raw values for NeuTRENO, residual values for later layers)
     without gradient.
 
-    With λ as numbers (`LayerMix.first` a float, see `ValueResidual.layer_mixes`) a mixing layer's v_proj and
-    its mix are one GEMM, `addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`, and V_0 travels as the [B·T, H_kv·D]
-    matrix layer 0's GEMM wrote. Otherwise (λ tensors: compiled learnable λ, `dense`) v_proj runs as in Llama and at
-    most one op mixes (dense: three) on its output; what travels then depends on the variant: V_0 (`svformer`; fixed
-    λ with λ_self = 1), λ_first·V_0 per receiver (learnable; scaled when asked for beyond
-    `BATCHED_SCALING_MAX_TOKENS`), or for `dense` the running mixes `Σ_j W[r, j]·V_j` of every receiver r (updated
-    in place) with the per-source weight columns.
+    With λ as numbers (`LayerMix.first` a float: fixed λ on every device, learnable λ where they read for free, see
+    `ValueResidual.layer_mixes`) a mixing layer's v_proj and its mix are one GEMM,
+    `addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`, and V_0 travels as the [B·T, H_kv·D] matrix layer 0's GEMM
+    wrote. Otherwise (learnable λ as tensors: off the CPU, compiled or sharded; `dense` always) v_proj runs as in
+    Llama and at most one op mixes (dense: three) on its output; what travels then is λ_first·V_0 per receiver
+    (`learnable`, `learnable_plus`; scaled when asked for beyond `BATCHED_SCALING_MAX_TOKENS`), or for `dense` the
+    running mixes `Σ_j W[r, j]·V_j` of every receiver r (updated in place) with the per-source weight columns. Layers
+    that neither start nor receive the residual run v_proj as Llama does, in both cases.
     """
     if mix.role == REUSE:
         return residual_values, None, residual_values
-    if isinstance(mix.first, float) and mix.kind != MIX_ALL and (mix.starts or mix.role != PLAIN):
+    if isinstance(mix.first, float) and (mix.starts or mix.role != PLAIN):  # never `dense`: its λ are tensors
         return _mix_with_numbers(mix, v_proj, hidden_states, residual_values, head_dim)
     weight = plain_linear_weight(v_proj)
     raw = v_proj(hidden_states) if weight is None else F.linear(hidden_states, weight)
     own = raw.view(*hidden_states.shape[:-1], -1, head_dim).transpose(1, 2)
     if mix.starts:
-        return own, raw, _first_values(mix, own, raw)
-    if mix.role == MIX:
-        if isinstance(mix.own, torch.Tensor):
-            return torch.addcmul(residual_values[mix.row], own, mix.own), None, residual_values
-        if mix.own == 1.0:
-            return torch.add(own, residual_values, alpha=mix.first), None, residual_values
-        return torch.add(residual_values, own, alpha=mix.own), None, residual_values
+        return own, raw, _first_values(mix, own)
+    if mix.role == MIX:  # learnable λ as tensors: λ_self a 0-dim tensor, λ_first·V_0 scaled by layer 0
+        return torch.addcmul(residual_values[mix.row], own, mix.own), None, residual_values
     if mix.role == MIX_ALL or mix.extends:
         mixes, columns = residual_values
         mixes = mixes.addcmul_(columns[mix.layer], own)  # made by layer 0 in this pass: in place keeps one copy
@@ -125,7 +122,7 @@ def _mix_with_numbers(mix: LayerMix, v_proj: nn.Module, hidden_states: torch.Ten
     """
     shape = hidden_states.shape
     weight = plain_linear_weight(v_proj)
-    if mix.role == MIX and not mix.starts:
+    if mix.role == MIX:  # never layer 0: the config refuses it as a receiver
         if weight is not None:
             flat = torch.addmm(residual_values, hidden_states.reshape(-1, shape[-1]), weight.t(),
                                beta=mix.first, alpha=mix.own)
@@ -146,24 +143,19 @@ def _mix_with_numbers(mix: LayerMix, v_proj: nn.Module, hidden_states: torch.Ten
         if mix.kind == CORRECT:
             return own, raw, raw * mix.first
         return own, raw, own  # REUSE: SVFormer's later layers attend over V_0 itself
-    return own, raw, residual_values
+    return own, raw, residual_values  # CORRECT: NeuTRENO's receivers hand on their raw values for the correction
 
 
-def _first_values(mix: LayerMix, own: torch.Tensor, raw: torch.Tensor):
-    """What layer 0 hands on (see `mix_on_output`), with the λ cast to the values' dtype."""
-    if mix.kind == REUSE:
-        return own
-    if mix.kind == CORRECT:
-        return raw * mix.first
+def _first_values(mix: LayerMix, own: torch.Tensor):
+    """What layer 0 hands on with λ as tensors (see `mix_on_output`), the λ cast to the values' dtype: only learnable
+    λ (`mix` or `dense` receivers) are ever tensors; fixed ones, SVFormer's and NeuTRENO's included, are numbers."""
     if mix.kind == MIX_ALL:  # W[:, 0] = offsets + λ_first; the λ_self diagonal is added by each receiver itself
         columns = mix.first.to(own.dtype).view(*mix.first.shape, 1, 1, 1, 1).unbind(1)
         return own * (columns[0] + mix.first_init), columns
-    if isinstance(mix.first, torch.Tensor):
-        first = mix.first.to(own.dtype)
-        if own.shape[-2] > BATCHED_SCALING_MAX_TOKENS:
-            return ScaledPerReceiver(own, first.unbind(0))
-        return (own * first).unbind(0)
-    return own if mix.own == 1.0 else own * mix.first
+    first = mix.first.to(own.dtype)  # [R, 1, 1, 1, 1]
+    if own.shape[-2] > BATCHED_SCALING_MAX_TOKENS:
+        return ScaledPerReceiver(own, first.unbind(0))
+    return (own * first).unbind(0)
 
 
 def corrected_output_projection(

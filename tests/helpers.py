@@ -5,18 +5,23 @@ Imported by name (`from helpers import ...`); pytest puts `tests/` on `sys.path`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 
+import resformer_hf.no_grad_mixing
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
+from resformer_hf._compat import with_cache
 from resformer_hf.configuration_resformer import VARIANTS
 from resformer_hf.examples.finetune import BLOCK_SIZE, TEXT_CHARS, VOCAB_SIZE, build_model, training_arguments
 from resformer_hf.text import block_dataset, sample_text, train_tokenizer
@@ -70,6 +75,32 @@ NON_DEFAULT = {
 def randomised_model(variant: str, **overrides) -> ResFormerForCausalLM:
     """A tiny model whose learnable λ offsets are random, so trained-looking λ are exercised."""
     return model_with_random_lambdas(tiny_config(variant, **{**NON_DEFAULT[variant], **overrides}))
+
+
+@contextlib.contextmanager
+def lambdas_as_tensors() -> Iterator[None]:
+    """Within the block, passes without gradient keep learnable λ (and DenseFormer's α) as tensors: the path a GPU,
+    a sharded or a compiled model takes, where `readable_as_numbers` is False. On the CPU they are otherwise read as
+    Python numbers, so without this the tensor path would never run in the suite. Every package module that imported
+    `readable_as_numbers` is told no."""
+    readable = resformer_hf.no_grad_mixing.readable_as_numbers
+    readers = [module for name, module in list(sys.modules.items())
+               if name.startswith("resformer_hf.") and getattr(module, "readable_as_numbers", None) is readable]
+    with contextlib.ExitStack() as patches:
+        for module in readers:
+            patches.enter_context(mock.patch.object(module, "readable_as_numbers", lambda module: False))
+        yield
+
+
+def decode_logits(forward, model, prompt: torch.Tensor, steps: int, cache) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Greedy decoding one token at a time through `forward` with `cache`: each step's last logits, all tokens."""
+    tokens, step_logits = prompt, []
+    logits = model(prompt, **with_cache(cache), use_cache=True).logits[:, -1]
+    for _ in range(steps):
+        step_logits.append(logits)
+        tokens = torch.cat((tokens, logits.argmax(-1, keepdim=True)), dim=1)
+        logits = forward(tokens[:, -1:], **with_cache(cache), use_cache=True).logits[:, -1]
+    return step_logits, tokens
 
 
 def llama_config_like(config: ResFormerConfig) -> LlamaConfig:
@@ -198,7 +229,9 @@ __all__ = [
     "VOCAB_SIZE",
     "build_model",
     "client_checkpoints",
+    "decode_logits",
     "example_data",
+    "lambdas_as_tensors",
     "llama_config_like",
     "llama_pair",
     "NON_DEFAULT",

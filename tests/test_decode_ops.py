@@ -17,7 +17,7 @@ from resformer_hf.cache_resformer import share_first_layer_values
 from resformer_hf.configuration_resformer import CORRECT, MIX_ALL, REUSE, VARIANTS
 from resformer_hf.no_grad_mixing import BATCHED_SCALING_MAX_TOKENS
 
-from helpers import NON_DEFAULT, llama_config_like, model_with_random_lambdas, tiny_config
+from helpers import NON_DEFAULT, decode_logits, llama_config_like, model_with_random_lambdas, tiny_config
 from reference import reference_logits
 
 #: The issue's decode step: hidden 256 × 8 layers, one query head per kv head, 64 cached tokens, batch 1.
@@ -108,7 +108,9 @@ def test_the_training_mix_runs_exactly_when_a_gradient_can_be_wanted(case):
     assert (logits.detach() - expected).abs().max().item() <= 1e-5
 
 
-#: Input lengths on both sides of `BATCHED_SCALING_MAX_TOKENS`: V_0 scaled for every receiver at once, or by each.
+#: Input lengths on both sides of `BATCHED_SCALING_MAX_TOKENS`. Here on the CPU learnable λ are read as numbers, which
+#: take one path at every length; the tensor path that the threshold splits (V_0 scaled for every receiver at once, or
+#: by each) is what a GPU runs, held to the reference in `test_lambdas_as_tensors.py`.
 LENGTHS = [11, BATCHED_SCALING_MAX_TOKENS + 9]
 
 
@@ -125,17 +127,6 @@ def test_no_grad_forward_matches_the_plain_reference(variant, settings, kv_heads
     assert (actual - reference_logits(model.config, state, input_ids)).abs().max().item() <= 1e-5
 
 
-def decode_logits(forward, model, prompt: torch.Tensor, steps: int, cache) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Greedy decoding one token at a time through `forward` with `cache`: each step's last logits, all tokens."""
-    tokens, step_logits = prompt, []
-    logits = model(prompt, **with_cache(cache), use_cache=True).logits[:, -1]
-    for _ in range(steps):
-        step_logits.append(logits)
-        tokens = torch.cat((tokens, logits.argmax(-1, keepdim=True)), dim=1)
-        logits = forward(tokens[:, -1:], **with_cache(cache), use_cache=True).logits[:, -1]
-    return step_logits, tokens
-
-
 def assert_matches_uncached_and_reference(model, step_logits: list[torch.Tensor], tokens: torch.Tensor) -> None:
     """Every cached step's logits equal the uncached forward's and the reference's at that position."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
@@ -150,7 +141,7 @@ def assert_matches_uncached_and_reference(model, step_logits: list[torch.Tensor]
     assert torch.equal(tokens[:, prompt_length:], uncached[:, prompt_length - 1 : -1].argmax(-1))
 
 
-@pytest.mark.parametrize("prompt_length", [6, BATCHED_SCALING_MAX_TOKENS + 4])  # a long prompt: per-receiver prefill
+@pytest.mark.parametrize("prompt_length", [6, BATCHED_SCALING_MAX_TOKENS + 4])  # both sides, as `LENGTHS`
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_cached_decoding_equals_the_uncached_forward_and_the_reference(variant, kv_heads, prompt_length):
     model = model_with_random_lambdas(tiny_config(variant, num_key_value_heads=kv_heads, initializer_range=0.2,
