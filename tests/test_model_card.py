@@ -118,7 +118,7 @@ def test_installed_wheel_renders_cards(tmp_path):
     """Build a wheel from a copy of the sources, install it into a folder and render a card from there."""
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO_ROOT / name, source / name)
     shutil.copytree(REPO_ROOT / "resformer_hf", source / "resformer_hf",
                     ignore=shutil.ignore_patterns("__pycache__"))

@@ -30,6 +30,8 @@ PAGES = ["fine-tuning", "scaling-out", "conversion", "hub", "serving", "baseline
          "supported-releases", "works-with", "results", "development"]
 DOCUMENTS = [README, *(DOCS / f"{page}.md" for page in PAGES)]
 CI_SCRIPT = REPO / ".ci" / "run"
+#: The README sections whose commands CI runs as written, and the script that runs them (.ci/run calls the others).
+CI_SECTIONS = {"Quickstart": ".ci/run", "Install from a built wheel": ".ci/wheel", "Run the tests": ".ci/run"}
 
 _BLOCK = re.compile(r"(?:<!-- readme-test: skip (?P<skip>[^>]*?) -->\s*\n)?```(?P<lang>\w+)\n(?P<code>.*?)\n```", re.S)
 
@@ -108,23 +110,30 @@ def _section_commands(title: str) -> list[str]:
 
 
 def test_ci_runs_exactly_the_readme_commands():
-    ci = _commands(CI_SCRIPT.read_text(encoding="utf-8"))
-    for title in ("Quickstart", "Run the tests"):
+    for title, script in CI_SECTIONS.items():
+        ci = _commands((REPO / script).read_text(encoding="utf-8"))
         expected = _section_commands(title)
         assert expected, title
         positions = [ci.index(command) if command in ci else -1 for command in expected]
-        assert -1 not in positions, f"{title}: {expected} not all in .ci/run {ci}"
-        assert positions == sorted(positions), f"{title}: .ci/run runs them in another order"
+        assert -1 not in positions, f"{title}: {expected} not all in {script} {ci}"
+        assert positions == sorted(positions), f"{title}: {script} runs them in another order"
+
+
+def test_ci_runs_every_ci_script():
+    """A job script in .ci/ that .ci/run does not call (directly, or as a README command) never runs in CI."""
+    ci = _commands(CI_SCRIPT.read_text(encoding="utf-8"))
+    scripts = sorted(path.name for path in CI_SCRIPT.parent.iterdir() if not path.suffix and path != CI_SCRIPT)
+    assert scripts and not [name for name in scripts if f"bash .ci/{name}" not in ci], (scripts, ci)
 
 
 def test_every_skipped_snippet_says_what_covers_it():
     for snippet in readme_snippets():
         if snippet.skip is not None:
             reason = snippet.skip
-            assert re.search(r"tests/\S+\.py|\.ci/run", reason), (
+            assert re.search(r"tests/\S+\.py|\.ci/[\w-]+", reason), (
                 f"{snippet}: skip reason names no test or CI: {reason}"
             )
-            covered = re.findall(r"(tests/\S+\.py|\.ci/run)", reason)
+            covered = re.findall(r"(tests/\S+\.py|\.ci/[\w-]+)", reason)
             assert all((REPO / path).exists() for path in covered), f"{snippet}: {covered}"
 
 
