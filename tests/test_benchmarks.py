@@ -4,19 +4,12 @@ numbers' invariants asserted, and the documentation blocks they rewrite."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import bench_cost  # noqa: E402
-import bench_decode  # noqa: E402
-
-import common  # noqa: E402
+from benchmarks import common
+from benchmarks.cost import bench_cost, bench_decode
 
 # ---- the documentation's result blocks ---------------------------------------------------------------------------
 
@@ -98,7 +91,7 @@ def test_cost_benchmark_end_to_end(tmp_path):
 def test_svformer_cache_benchmark_end_to_end(tmp_path):
     """Cache bytes are exact: Llama and learnable_plus hold 2L tensors per token, SVFormer L + 1, so its ratio is
     (L+1)/(2L) to the digit and learnable_plus's 1; every measured ratio of a model to itself is 1."""
-    import bench_svformer_cache
+    from benchmarks.cost import bench_svformer_cache
 
     out = tmp_path / "svformer_cache"
     bench_svformer_cache.main(["--hidden", "32", "--layers", "4", "--head-dim", "8", "--vocab-size", "64",
@@ -122,7 +115,7 @@ def test_conversion_benchmark_measures_a_tiny_checkpoint(tmp_path, monkeypatch):
     report states it and the goal lines."""
     import argparse
 
-    import bench_conversion
+    from benchmarks.conversion import bench_conversion
 
     size = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=64, dtype="bfloat16")
@@ -143,8 +136,8 @@ def test_conversion_benchmark_measures_a_tiny_checkpoint(tmp_path, monkeypatch):
 def test_vllm_benchmark_end_to_end(tmp_path):
     """Serving throughput and KV bytes per token through vLLM; runs where vLLM is installed (`.ci/serving`). Llama's
     ratio to itself is exactly 1, and the same-size models (a second Llama, learnable_plus) get Llama's KV bytes."""
-    pytest.importorskip("vllm", reason="bench_vllm.py needs vLLM (its own virtualenv, see .ci/serving)")
-    import bench_vllm
+    pytest.importorskip("vllm", reason="bench_vllm needs vLLM (its own virtualenv, see .ci/serving)")
+    from benchmarks.serving import bench_vllm
 
     out = tmp_path / "vllm.md"
     bench_vllm.main(["--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab-size", "128",

@@ -13,7 +13,7 @@ The goal (issue 21): every mixing variant <= 1.01 of Llama's time, `dense` <= 1.
 one eager decode step dispatches beyond Llama's (dynamic cache, batch 1), counted exactly with a dispatch mode, so
 independent of machine load; `tests/test_decode_ops.py` asserts their budget.
 
-    python benchmarks/bench_decode.py --threads 1        # CPU defaults; rewrites decode.md and the docs block
+    python -m benchmarks.cost.bench_decode --threads 1        # CPU defaults; rewrites decode.md and the docs block
 
 Writes `benchmarks/results/decode.md` and the docs' decode paragraph (between `<!-- decode:begin/end -->`,
 in docs/results.md).
@@ -28,23 +28,22 @@ import time
 from pathlib import Path
 
 import torch
-from bench_cost import CONTROL, DEFAULT_VARIANTS, census, parse_size, round_robin_ratios, size_fields
 
 from resformer_hf.configuration_resformer import VARIANTS
 
-from common import (
+from benchmarks.common import (
     BASELINE,
     RESULTS_DIR,
-    Decoder,
-    add_clock_arg,
     add_device_args,
     build_model,
-    clock_of,
     environment_line,
     markdown_table,
     rewrite_readme_block,
     setup_device,
 )
+from benchmarks.cost.bench_cost import CONTROL, census, parse_size, round_robin_ratios, size_fields
+from benchmarks.cost.settings import add_model_args
+from benchmarks.cost.timing import Decoder, add_clock_arg, clock_of
 
 MODES = ("eager decode", "compiled decode", "generate")
 
@@ -125,7 +124,8 @@ def _cell(ratio: float, name: str, rounds: list[float] | None = None) -> str:
 def command_line(args) -> str:
     sizes = " ".join(f"{h}x{n}" for h, n in args.sizes)
     compiled = " ".join(f"{h}x{n}" for h, n in args.compile_sizes) or "none"
-    return (f"python benchmarks/bench_decode.py --sizes {sizes} --batch-sizes {' '.join(map(str, args.batch_sizes))} "
+    batches = " ".join(map(str, args.batch_sizes))
+    return (f"python -m benchmarks.cost.bench_decode --sizes {sizes} --batch-sizes {batches} "
             f"--compile-sizes {compiled} --context {args.context} --steps {args.steps} --prompt {args.prompt} "
             f"--new-tokens {args.new_tokens} --repeats {args.repeats} --rounds {args.rounds} --clock {args.clock} "
             f"--device {args.device} --threads {torch.get_num_threads()}")
@@ -220,13 +220,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per timed burst (default 16)")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens of a generate() call (default 32)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per generate() call (default 32)")
-    parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--gqa-groups", type=int, default=1, help="query heads per kv head (default 1: MHA)")
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timings per round (default 5)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; ratios are medians over rounds (default 5)")
+    add_model_args(parser)
     add_clock_arg(parser)
     parser.add_argument("--out", default=str(RESULTS_DIR))
     parser.add_argument("--no-readme", action="store_true", help="do not rewrite the docs' decode paragraph")

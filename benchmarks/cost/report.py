@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from cost_settings import CONTROL, METRICS, goal
 
-from common import BASELINE, environment_line, markdown_table, pyplot
+from benchmarks.common import BASELINE, environment_line, markdown_table, pyplot
+from benchmarks.cost.settings import CONTROL, METRICS, goal
 
 #: How the value residual stays at Llama's cost; quoted in cost.md and the README block this script writes.
 HOW = (
@@ -56,7 +56,7 @@ def command_line(args) -> str:
     if args.compile_size:
         flags += [("compile_size", f"{args.compile_size[0]}x{args.compile_size[1]}")]
     flags += sorted(getattr(args, "changed_timing", {}).items())  # e.g. fewer rounds: the command must say so
-    return "python benchmarks/bench_cost.py " + " ".join(
+    return "python -m benchmarks.cost.bench_cost " + " ".join(
         f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
         for key, value in flags
     )

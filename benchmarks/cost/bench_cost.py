@@ -7,8 +7,8 @@ and prefill time <= 1.02 at the smallest size and <= 1.01 from hidden 512 (`dens
 a training step and a decode step (static KV cache) <= 1.01 of compiled Llama's; eager decode without gradient (the
 no-grad path of issue 21) <= 1.01 (`dense` 1.03, SVFormer below 1), with the exact ops each decode step adds.
 
-    python benchmarks/bench_cost.py                                    # CPU defaults, also rewrites the README block
-    python benchmarks/bench_cost.py --device cuda --sizes 512x8 1024x12 --seq-lens 1024 2048 --batch-size 8
+    python -m benchmarks.cost.bench_cost                            # CPU defaults, also rewrites the README block
+    python -m benchmarks.cost.bench_cost --device cuda --sizes 512x8 1024x12 --seq-lens 1024 2048 --batch-size 8
 
 Memory: on CUDA the peak allocated bytes of a training step (`torch.cuda.max_memory_allocated`); on CPU, where torch
 keeps no allocator statistics, the exact bytes a training step must hold at its peak: parameters, gradients, AdamW
@@ -33,31 +33,21 @@ import time
 from pathlib import Path
 
 import torch
-from cost_report import readme_block, write_report
-from cost_settings import CONTROL, DEFAULT_VARIANTS, METRICS, parse_size
-from cost_settings import size_fields as _size_fields
-from instruction_report import (
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.common import BASELINE, RESULTS_DIR, add_device_args, build_model, rewrite_readme_block, setup_device
+from benchmarks.cost.instruction_report import (
     instruction_readme_block,
     instruction_section,
     load_counts,
     measure_instructions,
     save_counts,
 )
-from instructions import KINDS
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from common import (
-    BASELINE,
-    RESULTS_DIR,
-    Decoder,
-    add_clock_arg,
-    add_device_args,
-    build_model,
-    clock_of,
-    interleaved_medians,
-    rewrite_readme_block,
-    setup_device,
-)
+from benchmarks.cost.instructions import KINDS
+from benchmarks.cost.report import readme_block, write_report
+from benchmarks.cost.settings import CONTROL, DEFAULT_VARIANTS, METRICS, add_model_args, parse_size
+from benchmarks.cost.settings import size_fields as _size_fields
+from benchmarks.cost.timing import Decoder, add_clock_arg, clock_of, interleaved_medians
 
 #: Flags that change what is measured beyond the sizes; the "Regenerate" command names them when not the default.
 TIMING_FLAGS = ("variants", "vocab_size", "head_dim", "gqa_groups", "dtype", "repeats", "round_seconds", "max_repeats",
@@ -271,16 +261,10 @@ def main(argv=None) -> None:
                         metavar="HIDDENxLAYERS")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=2048)
-    parser.add_argument("--head-dim", type=int, default=32)
-    parser.add_argument("--gqa-groups", type=int, default=1, help="query heads per kv head (default 1: MHA)")
-    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved timings per round (default 5)")
+    add_model_args(parser)
     parser.add_argument("--round-seconds", type=float, default=6.0,
                         help="raise repeats for fast models until a round of steps takes about this long (default 6)")
     parser.add_argument("--max-repeats", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; ratios are medians over rounds (default 5)")
     parser.add_argument("--compile-size", type=parse_size, default=(256, 8), metavar="HIDDENxLAYERS",
                         help="size of the torch.compile section (default 256x8)")
     parser.add_argument("--no-compile", dest="compile_size", action="store_const", const=None,
@@ -325,7 +309,7 @@ def instructions(args) -> None:
         result = measure_instructions(args.instruction_sizes, args.instruction_batches, args.variants,
                                       args.instruction_kinds, args.instruction_runs, vocab_size=args.vocab_size,
                                       head_dim=args.head_dim)
-        command = "python benchmarks/bench_cost.py --only-instructions " + " ".join([
+        command = "python -m benchmarks.cost.bench_cost --only-instructions " + " ".join([
             "--instruction-sizes", *(f"{h}x{n}" for h, n in args.instruction_sizes), "--instruction-batches",
             *map(str, args.instruction_batches), "--instruction-kinds", *(f"'{k}'" for k in args.instruction_kinds),
             "--instruction-runs", str(args.instruction_runs),

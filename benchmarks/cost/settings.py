@@ -53,6 +53,17 @@ def size_fields(hidden: int, layers: int, vocab_size: int, head_dim: int, max_po
     )
 
 
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model shape and variant flags `bench_cost` and `bench_decode` share, with their defaults."""
+    parser.add_argument("--vocab-size", type=int, default=2048)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--gqa-groups", type=int, default=1, help="query heads per kv head (default 1: MHA)")
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved timings per round (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; ratios are medians over rounds (default 5)")
+
+
 #: The variants every cost report covers, next to Llama.
 DEFAULT_VARIANTS = ["identity", "constant", "learnable", "learnable_plus", "sparse", "dense", "svformer", "neutreno"]
 #: What the timing part measures per size and sequence length.

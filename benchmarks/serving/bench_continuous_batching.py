@@ -1,7 +1,7 @@
 """SVFormer in transformers' continuous batching: KV bytes per cached token and tokens per memory budget, next to a
 same-size HF `LlamaForCausalLM`, and greedy equality of `generate_batch` with `generate()`.
 
-    python benchmarks/bench_continuous_batching.py    # CPU, a few minutes; writes results/continuous_batching.md
+    python -m benchmarks.serving.bench_continuous_batching  # CPU, a few minutes; writes results/continuous_batching.md
 
 - Paged cache (the engine behind `generate_batch` and `transformers serve --continuous-batching`): the
   `PagedAttentionCache` the engine builds for the model's config, with the engine's own constructor call, for
@@ -26,7 +26,8 @@ from transformers.generation.continuous_batching.distributed import DistributedH
 import resformer_hf
 from resformer_hf.paged_cache import FirstLayerValuesAllocator
 
-from common import BASELINE, RESULTS_DIR, add_device_args, build_model, environment_line, markdown_table, setup_device
+from benchmarks import common
+from benchmarks.common import BASELINE, RESULTS_DIR, add_device_args, build_model, setup_device
 
 VARIANTS = (BASELINE, "svformer")
 PROMPT_LENGTHS = (5, 23, 61, 12)
@@ -112,10 +113,10 @@ def main() -> None:
     text = "\n".join([
         "# SVFormer in continuous batching",
         "",
-        f"`python benchmarks/bench_continuous_batching.py` — {args.layers} layers, hidden {args.hidden}, "
-        f"{args.heads} heads / {args.kv_heads} kv heads, float32. {environment_line(device)}",
+        f"`python -m benchmarks.serving.bench_continuous_batching` — {args.layers} layers, hidden {args.hidden}, "
+        f"{args.heads} heads / {args.kv_heads} kv heads, float32. {common.environment_line(device)}",
         "",
-        markdown_table(header, rows),
+        common.markdown_table(header, rows),
         "",
         f"SVFormer / Llama bytes per cached token: generate() {sv_dense / llama_dense:.4f} "
         f"((L+1)/(2L) = {target:.4f}); paged cache with the plugin {sv_paged / llama_paged:.4f}, with transformers' "

@@ -3,8 +3,8 @@
 HF `LlamaForCausalLM`, a ResFormer (`learnable_plus`) and an SVFormer of the same size are built from the same seed.
 Ratios to Llama are measured in the same run. Goal: SVFormer's cache is exactly (L+1)/(2L) of Llama's.
 
-    python benchmarks/bench_svformer_cache.py                       # CPU defaults (1 thread), under 10 minutes
-    python benchmarks/bench_svformer_cache.py --device cuda --hidden 1024 --layers 16 --contexts 2048 8192 32768
+    python -m benchmarks.cost.bench_svformer_cache                       # CPU defaults (1 thread), under 10 minutes
+    python -m benchmarks.cost.bench_svformer_cache --device cuda --hidden 1024 --layers 16 --contexts 2048 8192 32768
 
 - Cache bytes and peak memory: each (model, context) runs the stock `generate()` (greedy, its default dynamic cache)
   in a fresh process: the peak bytes of live tensors it creates, checked after every aten op
@@ -24,30 +24,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from live_bytes import PeakLiveTensorBytes
 from transformers import StaticCache
 
 from resformer_hf._compat import cache_of, with_cache
 from resformer_hf.cache_resformer import share_first_layer_values
 
-from common import (
+from benchmarks import common
+from benchmarks.common import (
     BASELINE,
     RESULTS_DIR,
     add_device_args,
     build_model,
-    environment_line,
-    interleaved_medians,
-    markdown_table,
     pyplot,
     rewrite_readme_block,
     setup_device,
 )
+from benchmarks.cost.live_bytes import PeakLiveTensorBytes
+from benchmarks.cost.timing import interleaved_medians
 
 MODELS = [BASELINE, "learnable_plus", "svformer"]
 CACHES = ("dynamic", "static")
@@ -136,7 +136,10 @@ def decode_speeds(job: dict, repeats: int, kind: str) -> dict[str, float]:
 
 
 def run_in_fresh_process(job: dict) -> dict:
-    result = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True)
+    root = str(Path(__file__).resolve().parents[2])  # the repository: `benchmarks` importable in the child
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-m", "benchmarks.cost.bench_svformer_cache", "--worker",
+                             json.dumps(job)], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise SystemExit(f"measurement {job['model']} @ {job['context']} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -239,14 +242,14 @@ def report(args: argparse.Namespace, medians: dict) -> str:
         "dynamic cache and through a static cache (`cache_implementation=\"static\"`, sized context + new tokens).",
         f"Target cache ratio for SVFormer: (L+1)/(2L) = {target:.4f}.",
         "",
-        markdown_table(header, rows),
+        common.markdown_table(header, rows),
         "",
         "`generate peak MiB`: peak bytes of the live tensors generate() creates (KV cache, activations, logits), "
-        "checked after every aten op (`benchmarks/live_bytes.py`): deterministic, the same in every run, unlike the "
-        "RSS samples this column held before; on CUDA the peak allocated bytes above those allocated before.",
+        "checked after every aten op (`benchmarks/cost/live_bytes.py`): deterministic, the same in every run, unlike "
+        "the RSS samples this column held before; on CUDA the peak allocated bytes above those allocated before.",
         "",
-        environment_line(torch.device(args.device)),
-        f"Command: `{' '.join(['python benchmarks/bench_svformer_cache.py', *sys.argv[1:]])}`",
+        common.environment_line(torch.device(args.device)),
+        f"Command: `{' '.join(['python -m benchmarks.cost.bench_svformer_cache', *sys.argv[1:]])}`",
         "",
     ])
 
@@ -286,13 +289,13 @@ def readme_table(args: argparse.Namespace, medians: dict) -> str:
                      *(f"{sv[f'decode_tok_s_{kind}'] / base[f'decode_tok_s_{kind}']:.2f}" for kind in CACHES)])
     kv = f"{args.kv_heads} kv heads" if args.kv_heads else "MHA"
     threads = f"{args.threads} CPU thread" + ("s" if args.threads > 1 else "") if args.device == "cpu" else args.device
-    command = " ".join(["python benchmarks/bench_svformer_cache.py", *sys.argv[1:]])
+    command = " ".join(["python -m benchmarks.cost.bench_svformer_cache", *sys.argv[1:]])
     return "\n".join([
         f"Measured by `{command}` (hidden {args.hidden}, {args.layers} layers, {kv}, {args.dtype}, batch "
         f"{args.batch_size}, {threads}; ratios to a same-size `LlamaForCausalLM` in the same run; full table and plot "
         "in `benchmarks/results/svformer_cache.*`; this table is written by that command):",
         "",
-        markdown_table(["context", "cache / Llama", "`generate()` peak memory / Llama",
+        common.markdown_table(["context", "cache / Llama", "`generate()` peak memory / Llama",
                         "decode tokens/s / Llama (dynamic cache)", "(static cache)"], rows),
     ])
 

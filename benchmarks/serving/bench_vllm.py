@@ -6,7 +6,7 @@ backend and stores an SVFormer's values once (keys per layer, layer 0's values i
 
 Needs vLLM (docs/serving.md); run it in that virtualenv from the repository root:
 
-    python benchmarks/bench_vllm.py
+    python -m benchmarks.serving.bench_vllm
 
 One vLLM engine per model, all alive at once in this process, timed round-robin (one greedy `generate()` of a batch
 per model per round, the first round discarded, the order rotated each round), so a busy machine slows every model
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "vllm.md"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "vllm.md"
 MODELS = ("llama", "learnable_plus", "svformer", "llama_2")
 
 
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
               "KV bytes/token", "KV / Llama", "cache tokens", "tokens / Llama")
     table = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     table += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    command = "python benchmarks/bench_vllm.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m benchmarks.serving.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
     svformer_ideal = (args.layers + 1) / (2 * args.layers)
     text = "\n".join([
         "# vLLM decode throughput and KV cache: ResFormer vs Llama",

@@ -16,10 +16,9 @@ import json
 import os
 from pathlib import Path
 
-from cost_settings import goal
-from instructions import KINDS, Job, count_instructions
-
-from common import BASELINE, markdown_table
+from benchmarks.common import BASELINE, markdown_table
+from benchmarks.cost.instructions import KINDS, Job, count_instructions
+from benchmarks.cost.settings import goal
 
 #: Cached tokens before each counted decode step, and prompt length of the counted prefill (the issue's setting).
 CONTEXT = 64
@@ -136,7 +135,7 @@ def instruction_section(result: dict) -> str:
     kinds = "; ".join(KIND_DESCRIPTIONS[kind] for kind in result["kinds"])
     lines = [
         "## Instructions per call (callgrind; deterministic)",
-        f"Instructions executed per call, counted by valgrind's callgrind (`benchmarks/instructions.py`, "
+        f"Instructions executed per call, counted by valgrind's callgrind (`benchmarks/cost/instructions.py`, "
         f"`PYTHONHASHSEED=0`, one thread), as a ratio to Llama's, decode steps the mean of {result['number']}: "
         f"{kinds}. Unlike the timings above these do not depend on machine load ({_determinism(result)}; Llama's "
         "counts below). Bold: above the goal (decode 1.01, `dense` 1.03, NeuTRENO 1.02, SVFormer 1.00; prefill as "

@@ -9,8 +9,8 @@ config.json), no model is built. Each conversion runs in a fresh child process w
 /proc/self/status) therefore measures the conversion plus the interpreter (torch + transformers imports), which is
 reported separately. The synthetic files are deleted afterwards.
 
-    python benchmarks/bench_conversion.py                                   # ~1B params, bf16, 1024 and 512 MiB shards
-    python benchmarks/bench_conversion.py --params 3e8 --shard-sizes-mb 128 --repeats 2
+    python -m benchmarks.conversion.bench_conversion                        # ~1B params, bf16, 1024 and 512 MiB shards
+    python -m benchmarks.conversion.bench_conversion --params 3e8 --shard-sizes-mb 128 --repeats 2
 
 Writes `benchmarks/results/conversion.{md,png}`.
 """
@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
-from common import RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from benchmarks.common import RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
 
 RSS_GOAL = 1.5
 THROUGHPUT_GOAL = 0.5
@@ -194,7 +194,7 @@ def write_results(rows: list[dict], size: dict, params: int, args, device) -> No
     met_speed = all(r["copy_s"] / r["convert_s"] >= THROUGHPUT_GOAL for r in rows)
     rss_rows = ", ".join(f"{r['peak'] / r['largest']:.2f}× at {r['shard_mb']} MiB" for r in rows)
     speed_rows = ", ".join(f"{r['copy_s'] / r['convert_s']:.2f}× at {r['shard_mb']} MiB" for r in rows)
-    command = " ".join(["python benchmarks/bench_conversion.py", *sys.argv[1:]])
+    command = " ".join(["python -m benchmarks.conversion.bench_conversion", *sys.argv[1:]])
     text = f"""# Conversion: peak memory and throughput
 
 `{command}`

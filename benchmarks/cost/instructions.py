@@ -12,7 +12,7 @@ compiled job once, so that the counting process finds its kernels in inductor's 
 fixed (`PYTHONHASHSEED=0`): with randomised hashing dict lookups, and so the count, move by a few tenths of a percent
 between runs; with it two runs agree to the instruction in practice.
 
-    from instructions import Job, count_instructions
+    from benchmarks.cost.instructions import Job, count_instructions
     count_instructions([Job("llama", 256, 8, 1, "decode"), Job("identity", 256, 8, 1, "decode")])
 """
 
@@ -81,13 +81,14 @@ def count_instructions(jobs: list[Job], python: str | None = None, timeout: floa
         spec = Path(folder) / "jobs.json"
         spec.write_text(json.dumps([dataclasses.asdict(job) for job in jobs]))
         out = Path(folder) / "callgrind.out"
+        root = str(Path(__file__).resolve().parents[2])  # the repository: `benchmarks` importable in the children
         env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+               "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         python = python or shutil.which("python") or sys.executable
-        script = str(Path(__file__).resolve())
-        _run([python, script, "prepare", str(spec)], env, timeout, "preparing the models and caches")
+        module = [python, "-m", "benchmarks.cost.instructions"]
+        _run([*module, "prepare", str(spec)], env, timeout, "preparing the models and caches")
         done = _run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-                     f"--callgrind-out-file={out}", python, script, "count", str(spec)], env, timeout, "callgrind run")
+                     f"--callgrind-out-file={out}", *module, "count", str(spec)], env, timeout, "callgrind run")
         dumps = sorted(Path(folder).glob("callgrind.out.*"), key=lambda path: int(path.suffix[1:]))
         if len(dumps) != len(jobs):
             raise RuntimeError(f"expected {len(jobs)} callgrind dumps, found {len(dumps)}:\n{done.stderr[-4000:]}")
@@ -126,9 +127,9 @@ def _prepared_file(spec: Path, index: int) -> Path:
 def _build(job: Job):
     """(model, prompt): the same weights and prompt in every process (fixed seeds)."""
     import torch
-    from cost_settings import size_fields
 
-    from common import build_model
+    from benchmarks.common import build_model
+    from benchmarks.cost.settings import size_fields
 
     torch.manual_seed(0)
     size = size_fields(job.hidden, job.layers, vocab_size=job.vocab_size, head_dim=job.head_dim,
