@@ -235,6 +235,7 @@ def test_defaults_are_explicit_in_an_identity():
     (["run", "svformer_gqa", "--heads", "4"], "15 query heads|4 query heads are not a multiple of 3 kv heads"),
     (["run", "param_efficiency", "--sizes", "128"], "HIDDENxLAYERS"),
     (["run", "context_length", "--contexts", "100"], "--tokens-per-step 2048 is not a multiple of context 100"),
+    (["run", "pretrain", "--pretrain-lr", "1e-3"], "--pretrain-lr: only the uptrain study pre-trains a Llama"),
 ])
 def test_bad_command_lines_are_refused_before_training(argv, message, tmp_path, monkeypatch):
     from benchmarks.studies import runner
@@ -253,10 +254,11 @@ def test_cuda_without_a_gpu_says_what_to_pass_instead(tmp_path):
 def test_the_quoted_command_names_no_machine():
     args = cli.parse_args(["run", "pretrain", "--corpus-dir", str(REPO_ROOT / "README.md"), "--lr", "3e-3",
                            "--seeds", "1", "4", "--threads", "1", "--store", "/tmp/x"])
-    assert cli.command_line(args, catalogue.study("pretrain")) == (
+    assert cli.command_line(args, catalogue.study("pretrain"), [0, 1, 2, 4]) == (
         "python -m benchmarks.studies run pretrain --corpus-dir README.md --lr 0.003 --seeds 0 1 2 4")
     args = cli.parse_args(["run", "lr_sweep", "--lrs", "6e-3", "--seeds", "2", "--arms", "llama"])
-    assert cli.command_line(args, catalogue.study("lr_sweep")) == "python -m benchmarks.studies run lr_sweep"
+    whole_study = "python -m benchmarks.studies run lr_sweep"  # what a process that trains a part of it quotes
+    assert cli.command_line(args, catalogue.study("lr_sweep"), [0, 1, 2]) == whole_study
     assert portable_path(REPO_ROOT / "benchmarks") == "benchmarks"
     for path in [*RESULTS_DIR.glob("*.md"), *DEFAULT_STORE.glob("*.json")]:
         assert str(REPO_ROOT) not in path.read_text(), path
@@ -339,3 +341,8 @@ def test_migration_gives_each_old_run_its_identity_once_and_is_idempotent(tmp_pa
         migrate(old, store)
     assert store.record(planned("pretrain"))["result"] == run  # the stored run is kept
     assert (old / "context_length" / "ctx128.replaced-20261120-010101.json").is_file()  # old files untouched
+    with pytest.raises(SystemExit, match="no such folder"):
+        migrate(tmp_path / "elsewhere", store)
+    (old / "svformer_gqa.json").write_text('{"config": ')  # caught mid-write
+    with pytest.raises(SystemExit, match="svformer_gqa.json is not valid JSON"):
+        migrate(old, store)

@@ -64,7 +64,9 @@ def test_pretrain_study_end_to_end_then_resumed_without_training(where, trained)
                                   for s in (0, 1))
     assert all(len(r["result"]["curve"]) == 3 and r["result"]["curve"][-1][0] == 512 for r in runs.values())
     assert runs[32, "llama", 2, 0]["result"]["curve"][0] != runs[32, "llama", 2, 1]["result"]["curve"][0]
-    assert "torch threads: 1" in runs[32, "llama", 2, 0]["provenance"]["environment"]
+    provenance = runs[32, "llama", 2, 0]["provenance"]
+    assert "torch threads: 1" in provenance["environment"] and "first 30,000 characters" in provenance["data"]
+    assert provenance["command"].startswith("python -m benchmarks.studies run pretrain --sample-chars 30000")
     out = where[3]
     table = open(f"{out}/pretrain.md").read()
     assert all(f"| `{v}` |" in table for v in ("llama", "identity", "learnable_plus", "svformer"))
@@ -163,18 +165,22 @@ def test_paired_report_over_every_seed_with_each_seeds_lambdas(where, tmp_path):
         folder.mkdir()
         (folder / "text.txt").write_text(sample_text(stop)[start:])
         corpora.append(str(folder))
-    cli.main(["run", "tuned_seeds", *TINY_DATA[2:], *TINY_MODEL, "--seq-len", "32", "--batch-size", "4", "--tokens",
-              "256", "--corpora", *corpora, "--seeds", "0", "1", "2", *where])
+    settings = [*TINY_DATA[2:], *TINY_MODEL, "--seq-len", "32", "--batch-size", "4", "--tokens", "256", "--corpora",
+                *corpora, *where]
+    cli.main(["run", "tuned_seeds", *settings, "--seeds", "0", "1", "12"])  # seed 12: beyond the declared 0-9
     table = open(f"{where[3]}/tuned_seeds.md").read()
+    cli.main(["report", "tuned_seeds", *settings])  # every stored seed, 12 too, without being told
+    assert open(f"{where[3]}/tuned_seeds.md").read() == table
     for corpus in corpora:
         finals = {(r["identity"]["model"]["variant"], r["identity"]["seed"]): r["result"]["final_val_loss"]
                   for r in records(where) if r["identity"]["data"]["corpus"].endswith(corpus.rsplit("/", 1)[1])}
-        d = paired_difference([finals["learnable_plus", s] for s in range(3)], [finals["llama", s] for s in range(3)])
+        d = paired_difference([finals["learnable_plus", s] for s in (0, 1, 12)],
+                              [finals["llama", s] for s in (0, 1, 12)])
         assert f"| `{corpus}` | `learnable_plus` | 3 | " in table and d.describe() in table
         assert f"{d.negative}/3 seeds lower; {d.verdict()}" in table
     assert table.count("λ_first/λ_self per layer") == 2 and "correlation over seeds" in table
     assert "`svformer`: fixed λ" in table and "**Incomplete**" in table  # 3 of the declared 10 seeds
-    assert math.isfinite(float(table.split("| 0 | ")[1].split(" | ")[0]))
+    assert math.isfinite(float(table.split("| 12 | ")[1].split(" | ")[0]))
 
 
 @pytest.mark.slow

@@ -40,7 +40,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
     Study(
         "tuned_seeds", "ten seeds at the tuned settings (context 512, lr 3e-3), both corpora: beyond seed noise?",
         report="paired", arms=(Arm(BASELINE), Arm("learnable_plus"), Arm("svformer")), settings=CONTEXT_512,
-        seeds=tuple(range(10)), grid=Grid("corpora", "corpus", ("english", "python-stdlib")),
+        seeds=tuple(range(10)), grid=Grid("corpora", "corpus", ("english", "python-stdlib")), stored_seeds=True,
     ),
     Study(
         "baselines", "DenseFormer and NeuTRENO next to ResFormer; SVFormer next to GQA, CLA and SVFormer × CLA",

@@ -7,10 +7,10 @@
     python -m benchmarks.studies run pretrain --device cuda             # on a GPU (float32; runs stored as cuda runs)
     python -m benchmarks.studies migrate                                # the per-study stores of before → the store
 
-Every flag below `--store` overrides the study's declared value (`catalogue.py`); a changed value is another run,
-stored beside the declared ones. `--seeds`, `--arms` and a grid flag (`--contexts`, `--lrs`, `--sizes`, `--corpora`)
-choose what this process trains; the report always covers the whole study (its declared seeds, arms and grid, plus
-the ones given), so processes that split a study write the same report.
+The flags under "overrides of the declared settings" replace the study's declared values (`catalogue.py`); a changed
+value makes other runs, stored beside the declared ones. `--seeds`, `--arms` and a grid flag (`--contexts`, `--lrs`,
+`--sizes`, `--corpora`) choose what this process trains; the report always covers the whole study (its declared seeds,
+arms and grid, plus the ones given), so processes that split a study write the same report.
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ def overrides_of(args: argparse.Namespace) -> dict:
     return given
 
 
-def command_line(args: argparse.Namespace, study: Study) -> str:
+def command_line(args: argparse.Namespace, study: Study, seeds: list[int]) -> str:
     """The command that trains what the report shows, as the report quotes it (paths repository-relative): the
-    whole study, so processes that split it by seeds, arms or cells quote the same one; seeds and cells beyond the
-    declared ones are part of it."""
+    whole study, so processes that split it by seeds, arms or cells quote the same one; the report's seeds (`seeds`)
+    and cells beyond the declared ones are part of it."""
     words = ["python -m benchmarks.studies run", study.name]
     for flag in SETTING_FLAGS:
         value = getattr(args, flag.replace("-", "_"))
@@ -96,8 +96,8 @@ def command_line(args: argparse.Namespace, study: Study) -> str:
     if study.grid is not None and set(getattr(args, study.grid.flag) or ()) - set(study.grid.values):
         cells = dict.fromkeys([*study.grid.values, *getattr(args, study.grid.flag)])
         words += [f"--{study.grid.flag}", *(f"{v:g}" if isinstance(v, float) else str(v) for v in cells)]
-    if set(args.seeds or ()) - set(study.seeds):
-        words += ["--seeds", *map(str, sorted({*study.seeds, *args.seeds}))]
+    if set(seeds) - set(study.seeds):
+        words += ["--seeds", *map(str, seeds)]
     if args.device != "cpu":
         words += ["--device", args.device]
     return " ".join(words)
@@ -135,7 +135,13 @@ def tuned_lrs(study: Study, overrides: dict, store: RunStore, device: str) -> di
     return {arm: {lr} for arm, lr in best.items()}
 
 
-def run_or_report(args: argparse.Namespace) -> Path | None:
+def invocation(argv: list[str]) -> str:
+    """This process's command, as each run it trains records it (paths repository-relative)."""
+    words = [portable_path(word) if Path(word).is_absolute() and Path(word).exists() else word for word in argv]
+    return " ".join(["python -m benchmarks.studies", *words])
+
+
+def run_or_report(args: argparse.Namespace, argv: list[str]) -> Path | None:
     study = catalogue.study(args.study)
     overrides = overrides_of(args)
     settings, continuation = plan.with_overrides(study, overrides)
@@ -145,10 +151,10 @@ def run_or_report(args: argparse.Namespace) -> Path | None:
     seeds = sorted({*study.seeds, *(args.seeds or ())})
     train_cells, report_cells = grid_values(study, args)
     store, device = RunStore(args.store), plan.device_kind(args.device)
-    command = command_line(args, study)
     if args.command == "run":
         from benchmarks.studies import runner, uptrain
 
+        command = invocation(argv)
         torch_device = runner.open_device(args.device, args.threads)
         only = tuned_lrs(study, overrides, store, device) if study.tuned_from else None
         arms = [arm for arm in declared_arms if not args.arms or arm in args.arms]
@@ -162,7 +168,11 @@ def run_or_report(args: argparse.Namespace) -> Path | None:
         else:
             runner.train_missing(runs, store, torch_device, command, fresh=args.fresh)
     report = plan.cells(study, settings, report_cells, possible_only=True)  # the declared cells these overrides allow
+    if study.stored_seeds:  # every seed the store holds of the baseline's runs
+        for run in plan.plan(study, settings, seeds[:1], [study.baseline], report, device, continuation):
+            seeds = sorted({*seeds, *store.seeds_like(run.identity)})
     runs = plan.plan(study, settings, seeds, declared_arms, report, device, continuation)
+    command = command_line(args, study, seeds)
     from benchmarks.studies.reports import render
 
     path = render(collect(study, runs, store, continuation, seeds, declared_arms, command, args.out))
@@ -175,7 +185,14 @@ def list_studies(store: RunStore) -> None:
     for study in catalogue.STUDIES.values():
         settings, continuation = plan.with_overrides(study, {})
         arms = [arm.name for arm in study.arms]
-        runs = plan.plan(study, settings, list(study.seeds), arms, plan.cells(study, settings), "cpu", continuation)
+        only = None
+        if study.tuned_from:
+            try:
+                only = tuned_lrs(study, {}, store, "cpu")
+            except SystemExit:  # the study it is tuned on is not finished: count every cell
+                pass
+        runs = plan.plan(study, settings, list(study.seeds), arms, plan.cells(study, settings), "cpu", continuation,
+                         only)
         stored = sum(run.identity in store for run in runs)
         grid = f", {study.grid.flag} {' '.join(map(str, study.grid.values))}" if study.grid else ""
         print(f"{study.name}: {study.question}\n    {len(arms)} arms × {len(study.seeds)} seeds{grid}; "
@@ -183,7 +200,8 @@ def list_studies(store: RunStore) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     if args.command == "list":
         list_studies(RunStore(args.store))
     elif args.command == "migrate":
@@ -191,5 +209,5 @@ def main(argv: list[str] | None = None) -> None:
 
         migrate(args.source, RunStore(args.store))
     else:
-        run_or_report(args)
+        run_or_report(args, argv)
 

@@ -75,13 +75,18 @@ def old_runs(study: Study, config: dict, runs: dict) -> list[tuple[str, dict, di
 
 def migrate(source: Path, store: RunStore) -> dict[str, int]:
     """Copy every run of the old stores under `source` into `store`; returns counts (added, already there, ...)."""
+    if not Path(source).is_dir():
+        raise SystemExit(f"--source {source}: no such folder; give the results folder that holds the old stores")
     entries = []
     for pattern, name in OLD_STORES:
         study = catalogue.study(name)
         for path in sorted(Path(source).glob(pattern)):
             if not STORE_FILE.fullmatch(path.name):
                 continue
-            saved = json.loads(path.read_text(encoding="utf-8"))
+            try:
+                saved = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError as error:  # e.g. copied while a process was writing it: copy it again
+                raise SystemExit(f"{path} is not valid JSON ({error}); nothing was migrated from it") from None
             meta = saved.get("meta", {})
             provenance = {"environment": meta.get("environment"), "data": meta.get("data"),
                           "command": meta.get("command"), "migrated_from": path.relative_to(source).as_posix()}

@@ -146,7 +146,10 @@ def with_overrides(study: Study, overrides: dict) -> tuple[Settings, Continuatio
     fields = {f.name for f in dataclasses.fields(Settings)}
     settings = dataclasses.replace(study.settings, **{k: v for k, v in overrides.items() if k in fields})
     continuation = study.continuation
+    names = {f.name for f in dataclasses.fields(Continuation)}
     if continuation is not None:
-        names = {f.name for f in dataclasses.fields(Continuation)}
         continuation = dataclasses.replace(continuation, **{k: v for k, v in overrides.items() if k in names})
+    elif names & set(overrides):
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in sorted(names & set(overrides)))
+        raise SystemExit(f"{flags}: only the uptrain study pre-trains a Llama to continue; {study.name} does not")
     return settings, continuation

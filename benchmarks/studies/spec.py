@@ -142,6 +142,7 @@ class Study:
     tuned_from: str | None = None  #: each arm trains only at its best learning rate in that study's grid
     continuation: Continuation | None = None  #: set for the uptrain study: arms are `ContinuedArm`s
     comparisons: tuple[tuple[str, tuple[str, ...]], ...] = ()  #: (table, its arms) for reports with several tables
+    stored_seeds: bool = False  #: the report also covers every other seed the store holds of the study's runs
 
     def arm(self, name: str):
         for arm in self.arms:

@@ -54,6 +54,16 @@ class RunStore:
             raise SystemExit(f"{path} holds another run than its name says (edited by hand?); move it aside.")
         return record
 
+    def seeds_like(self, identity: dict) -> set[int]:
+        """The seeds of every stored run whose identity is this one's but for the seed."""
+        rest = json.loads(json.dumps({k: v for k, v in identity.items() if k != "seed"}))
+        seeds = set()
+        for path in self.folder.glob("*.json"):
+            stored = json.loads(path.read_text(encoding="utf-8")).get("identity", {})
+            if "seed" in stored and {k: v for k, v in stored.items() if k != "seed"} == rest:
+                seeds.add(stored["seed"])
+        return seeds
+
     def __contains__(self, identity: dict) -> bool:
         return self.path(identity).is_file()
 
