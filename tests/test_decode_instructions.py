@@ -1,10 +1,10 @@
 """Regression gate (issue 32): an eager decode step of every variant executes no more instructions, relative to
 Llama's, than when last measured, and never more than its goal allows once the goal is reached.
 
-Instructions, counted by valgrind's callgrind (`benchmarks/instructions.py`), move by tenths of a percent between runs
-where timings move by several percent: one extra aten op per layer (~29 k instructions of dispatch at this size, +1.6 %
-of a step) moves the ratio by more than the margin, whatever else runs on the machine. One valgrind process counts
-Llama and every variant in ~2 CPU-minutes: 13 s for a native process to build and prefill the models, then under
+Instructions, counted by valgrind's callgrind (`benchmarks/cost/instructions.py`), move by tenths of a percent between
+runs where timings move by several percent: one extra aten op per layer (~29 k instructions of dispatch at this size,
++1.6 % of a step) moves the ratio by more than the margin, whatever else runs on the machine. One valgrind process
+counts Llama and every variant in ~2 CPU-minutes: 13 s for a native process to build and prefill the models, then under
 valgrind a minute importing transformers (which imports torch._dynamo, and hqq and torchao where installed) and 45 s
 loading, warming up and counting.
 """
@@ -13,20 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from resformer_hf._compat import with_cache
 from resformer_hf.configuration_resformer import VARIANTS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from cost_settings import goal  # noqa: E402
-from instructions import Job, callgrind_missing, count_instructions  # noqa: E402
-
-from resformer_hf._compat import with_cache  # noqa: E402
+from benchmarks.cost.instructions import Job, callgrind_missing, count_instructions
+from benchmarks.cost.settings import goal
 
 #: The issue's size: a decode step is ~14.4 M instructions, deep enough that per-layer ops outweigh per-forward ones.
 HIDDEN, LAYERS = 256, 8
@@ -64,7 +59,7 @@ def test_a_decode_step_stays_within_its_instruction_limit():
 def test_the_report_compares_repeated_counts_of_the_first_group_only():
     """Runs after the first hold the first size and batch only (a valgrind process costs minutes): the agreement is
     taken over what was counted twice, and every group's table still comes from the first run."""
-    from instruction_report import agreement, instruction_section
+    from benchmarks.cost.instruction_report import agreement, instruction_section
 
     key = ("llama", 256, 8, 1, "decode")
     first = {key: 1_000_000.0, ("identity", 256, 8, 1, "decode"): 1_020_000.0,
@@ -81,7 +76,7 @@ def test_the_report_compares_repeated_counts_of_the_first_group_only():
 def test_later_counts_join_the_store_and_cells_not_counted_show_a_dash(tmp_path, monkeypatch):
     """A command counting one more kind at one size adds to what the store holds (commands may run side by side); the
     report marks what no command counted, and a store of other settings is replaced, not mixed in."""
-    import instruction_report
+    from benchmarks.cost import instruction_report
 
     fake = {"llama": 100.0, "identity": 99.0}
     monkeypatch.setattr(instruction_report, "count_instructions",
@@ -113,10 +108,9 @@ def test_a_prepared_call_computes_what_a_model_built_in_this_process_computes(tm
     """The counting process loads model, prompt and prefilled cache that a native process saved (valgrind would
     emulate the prefill's GEMMs ~50x slower): the counted call must be the step a fresh build takes, every time it
     is rewound and called again."""
-    import instructions
-    from cost_settings import size_fields
-
-    from common import build_model
+    from benchmarks.common import build_model
+    from benchmarks.cost import instructions
+    from benchmarks.cost.settings import size_fields
 
     job = Job(name, 64, 2, batch=2, kind=kind, context=8, number=2, vocab_size=256, head_dim=16)
     spec = tmp_path / "jobs.json"

@@ -2,7 +2,7 @@
 
 Without a gradient the value residual mixes on v_proj's output (`value_residual.mix_on_output`) instead of through the
 fused training functions. Op counts are exact and independent of machine load, so they are asserted here; the time
-they cost is measured only in `benchmarks/bench_decode.py`.
+they cost is measured only in `benchmarks/cost/bench_decode.py`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""`benchmarks/live_bytes.py`: the peak bytes of live tensors, against sizes worked out by hand."""
+"""`benchmarks/cost/live_bytes.py`: the peak bytes of live tensors, against sizes worked out by hand."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from live_bytes import PeakLiveTensorBytes  # noqa: E402
+from benchmarks.cost.live_bytes import PeakLiveTensorBytes
 
 
 def test_peak_counts_live_storages_once_and_forgets_freed_ones():

@@ -1,22 +1,19 @@
-"""The learning-rate sweep (issue 28): its arithmetic against hand-computed numbers, the second corpus, and the
-script end to end on a tiny setting (the bundled text sample, a few steps of a tiny model)."""
+"""The learning-rate sweep (issue 28): its arithmetic against hand-computed numbers, the second corpus, and a sweep
+and a study tuned on it end to end on a tiny setting (the bundled text sample, a few steps of a tiny model)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import bench_lr_sweep  # noqa: E402
-import lr_sweep_report  # noqa: E402
-import second_corpus  # noqa: E402
-from lr_sweep_report import Cell, best_learning_rates, instability, tuned_comparison  # noqa: E402
+from benchmarks.studies import catalogue, cli, runner
+from benchmarks.studies import corpora as second_corpus
+from benchmarks.studies.reports.tuned import Cell, best_learning_rates, instability, tuned_comparison
+from benchmarks.studies.spec import Settings
+from benchmarks.studies.store import portable_path
 
 
 def run(final: float, curve=None) -> dict:
@@ -93,62 +90,72 @@ def test_a_second_corpus_build_that_loses_the_race_keeps_the_winners_folder(tmp_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # this run's staging copy is gone
 
 
-TINY = ["--sample-chars", "30000", "--vocab-size", "300", "--val-fraction", "0.1", "--val-tokens", "256",
-        "--seq-len", "32", "--batch-size", "4", "--threads", "1", "--hidden-size", "32", "--layers", "2",
-        "--heads", "2", "--tokens", "512", "--eval-every", "2", "--seeds", "0", "1", "--lrs", "1e-3", "1e-2",
-        "--arms", "llama", "identity"]
+TINY = Settings(sample_chars=30000, vocab_size=300, val_fraction=0.1, val_tokens=256, seq_len=32, batch_size=4,
+                hidden_size=32, layers=2, heads=2, tokens=512, eval_every=2)
+
+
+@pytest.fixture
+def tiny_studies(tmp_path, monkeypatch):
+    """A tiny sweep (two learning rates, two arms, two seeds) and a study tuned on it on another (tiny) corpus,
+    declared beside the real ones: studies are data."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "corpora.txt").write_text(open(second_corpus.__file__).read() * 8)  # some Python source
+    sweep = catalogue.study("lr_sweep")
+    arms = tuple(arm for arm in sweep.arms if arm.name in ("llama", "identity"))
+    grid = dataclasses.replace(sweep.grid, values=(1e-3, 1e-2))
+    tiny_sweep = dataclasses.replace(sweep, name="tiny_sweep", arms=arms, settings=TINY, seeds=(0, 1), grid=grid)
+    tiny_code = dataclasses.replace(tiny_sweep, name="tiny_code", tuned_from="tiny_sweep",
+                                    settings=dataclasses.replace(TINY, sample_chars=None, corpus=str(code)))
+    monkeypatch.setitem(catalogue.STUDIES, "tiny_sweep", tiny_sweep)
+    monkeypatch.setitem(catalogue.STUDIES, "tiny_code", tiny_code)
+    return ["--store", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--threads", "1"]
 
 
 @pytest.mark.slow
-def test_sweep_and_second_corpus_end_to_end_and_resumed(tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    monkeypatch.setattr(second_corpus, "CORPORA_DIR", tmp_path / "corpora")
+def test_sweep_and_a_study_tuned_on_it_end_to_end_and_resumed(tiny_studies, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    argv = TINY + ["--out", str(out)]
-    bench_lr_sweep.main(argv)
-    stores = {lr: json.loads((out / "lr_sweep" / f"lr{lr}.json").read_text()) for lr in ("0.001", "0.01")}
-    for lr, store in stores.items():
-        assert store["config"]["lr"] == float(lr)
-        assert sorted(store["runs"]) == sorted(f"{a}/seed{s}" for a in ("llama", "identity") for s in (0, 1))
-        assert all(len(r["train_curve"]) == 2 for r in store["runs"].values())
-    table = (out / "lr_sweep.md").read_text()
-    assert "Incomplete" not in table and (out / "lr_sweep.png").stat().st_size > 0
-    finals = {lr: [s["runs"][f"llama/seed{i}"]["final_val_loss"] for i in (0, 1)] for lr, s in stores.items()}
-    best = min(finals, key=lambda lr: sum(finals[lr]))
-    assert "| `llama` | " in table and f"| {float(best):g} |" in table
+    with pytest.raises(SystemExit, match="tiny_code trains each arm at its best learning rate in tiny_sweep: llama, "
+                                         "identity has no learning rate with all seeds"):
+        cli.main(["run", "tiny_code", *tiny_studies])
+    cli.main(["run", "tiny_sweep", *tiny_studies])
+    records = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*.json")]
+    assert sorted((r["identity"]["budget"]["lr"], r["identity"]["model"]["variant"], r["identity"]["seed"])
+                  for r in records) == sorted((lr, a, s) for lr in (1e-3, 1e-2) for a in ("llama", "identity")
+                                              for s in (0, 1))
+    assert all(len(r["result"]["train_curve"]) == 2 for r in records)
+    table = (out / "tiny_sweep.md").read_text()
+    assert "Incomplete" not in table and (out / "tiny_sweep.png").stat().st_size > 0
+    finals = {lr: sum(r["result"]["final_val_loss"] for r in records if r["identity"]["budget"]["lr"] == lr
+                      and r["identity"]["model"]["variant"] == "llama") for lr in (1e-3, 1e-2)}
+    best = min(finals, key=finals.get)
+    assert "| `llama` | " in table and f"| {best:g} |" in table
 
-    monkeypatch.setattr(bench_lr_sweep, "run_one", lambda *a: (_ for _ in ()).throw(AssertionError("rerun")))
-    bench_lr_sweep.main(argv)  # resumed: every run is already saved
+    train_from_scratch = runner.train_from_scratch
+    monkeypatch.setattr(runner, "train_from_scratch", lambda *a: pytest.fail("a stored run was trained again"))
+    cli.main(["run", "tiny_sweep", *tiny_studies])  # resumed: every run is stored
     # A process that trained one learning rate, one arm and one seed (processes side by side) reports the whole study.
-    bench_lr_sweep.main([*argv[:argv.index("--seeds")], "--seeds", "1", "--lrs", "1e-2", "--arms", "identity",
-                         "--out", str(out)])
-    assert (out / "lr_sweep.md").read_text() == table
-    monkeypatch.undo()
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setattr(second_corpus, "CORPORA_DIR", tmp_path / "corpora")
+    cli.main(["run", "tiny_sweep", "--lrs", "1e-2", "--arms", "identity", "--seeds", "1", *tiny_studies])
+    assert (out / "tiny_sweep.md").read_text() == table
 
     trained = []
-    real_run_one = bench_lr_sweep.run_one
-    monkeypatch.setattr(bench_lr_sweep, "run_one", lambda arm, seed, one, *rest: (
-        trained.append((arm, one.lr)), real_run_one(arm, seed, one, *rest))[1])
-    bench_lr_sweep.main(argv + ["--second-corpus"])
-    best_lr = lr_sweep_report.best_learning_rates(
-        lr_sweep_report.cells({float(lr): bench_lr_sweep.open_lr(bench_lr_sweep.parse_args(argv), float(lr))[1]
-                               for lr in stores}, ["llama", "identity"], [0, 1]), [0, 1])
-    assert sorted(trained) == sorted((arm, best_lr[arm]) for arm in ("llama", "identity") for _ in (0, 1))
-    report = (out / "second_corpus.md").read_text()
-    assert "--second-corpus" in report and "Incomplete" not in report and "| `identity` |" in report
+    real = train_from_scratch
+    monkeypatch.setattr(runner, "train_from_scratch", lambda run, *rest: trained.append(
+        (run.arm.name, run.settings.lr, run.identity["data"]["corpus"])) or real(run, *rest))
+    cli.main(["run", "tiny_code", *tiny_studies])
+    sweep_best = {arm: min((1e-3, 1e-2), key=lambda lr, arm=arm: sum(
+        r["result"]["final_val_loss"] for r in records
+        if r["identity"]["budget"]["lr"] == lr and r["identity"]["model"]["variant"] == arm)) for arm in
+        ("llama", "identity")}
+    code = portable_path(tmp_path / "code")  # on its own corpus, each arm at its best lr in the sweep
+    assert sorted(trained) == sorted((arm, sweep_best[arm], code) for arm in sweep_best for _ in (0, 1))
+    report = (out / "tiny_code.md").read_text()
+    assert "Each arm trains only at its best learning rate in `tiny_sweep.md`" in report
+    assert "Incomplete" not in report and "| `identity` |" in report
 
 
-def test_second_corpus_needs_a_finished_sweep(tmp_path, monkeypatch):
-    monkeypatch.setattr(second_corpus, "CORPORA_DIR", tmp_path / "corpora")
-    with pytest.raises(SystemExit, match="has no learning rate with all seeds"):
-        bench_lr_sweep.main(TINY + ["--out", str(tmp_path / "out"), "--second-corpus"])
-
-
-def test_sweep_flag_errors(capsys):
-    for argv, message in ((["--lrs", "0"], "positive"),):
-        with pytest.raises(SystemExit):
-            bench_lr_sweep.parse_args(argv)
-        assert message in capsys.readouterr().err
+def test_sweep_flag_errors(tmp_path):
+    with pytest.raises(SystemExit, match="--lrs must be positive"):
+        cli.main(["run", "lr_sweep", "--lrs", "0", "--store", str(tmp_path)])

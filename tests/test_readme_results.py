@@ -65,7 +65,7 @@ def assert_cell(readme_cell: str, expected: float, where: str) -> None:
 
 
 def quoted_command(text: str) -> str:
-    return re.search(r"`(python benchmarks/bench_\w+\.py[^`]*)`", text).group(1)
+    return re.search(r"`(python -m benchmarks\.\w+\.bench_\w+[^`]*)`", text).group(1)
 
 
 def by_variant(rows: list[dict[str, str]]) -> dict[str, dict[str, str]]:

@@ -1,5 +1,5 @@
-"""vLLM helpers for `test_serving_vllm.py` and `benchmarks/bench_vllm.py`: engine settings that work on a small CPU
-machine, an import blocker that hides this plugin from every process vLLM starts, and a script that runs one vLLM
+"""vLLM helpers for `test_serving_vllm.py` and `benchmarks/serving/bench_vllm.py`: engine settings that work on a small
+CPU machine, an import blocker that hides this plugin from every process vLLM starts, and a script that runs one vLLM
 engine per checkpoint folder in a fresh interpreter.
 
 Run as a script (`python vllm_serving.py JOB.json OUT.json`) it is the engine process: vLLM starts its engine core and

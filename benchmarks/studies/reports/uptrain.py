@@ -1,0 +1,114 @@
+"""The uptrain study's report: each arm's continuation against the continued Llama (paired per continuation seed),
+how the λ moved, and the gradient every λ gets at the converted starting point."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import markdown_table, pyplot
+from benchmarks.studies.plan import PRETRAIN
+from benchmarks.studies.reports.seeds import save
+from benchmarks.studies.results import CellRuns, Results
+from benchmarks.studies.seed_statistics import interpolate_curve, paired_difference, spread
+from benchmarks.studies.uptrain import lambda_summary
+
+
+def render(results: Results) -> Path | None:
+    store, arms = results.only, results.arms
+    seeds = [s for s in results.seeds if all(f"{a}/seed{s}" in store for a in arms)]
+    if PRETRAIN not in store or not seeds:
+        print("no continuation seed has finished every arm yet; nothing to report")
+        return None
+    meta = store.meta
+    base = {s: store[f"llama/seed{s}"] for s in seeds}
+    final_tokens = base[seeds[0]]["curve"][-1][0]
+    checkpoints = [final_tokens // 4, final_tokens // 2, final_tokens]
+    rows, lambda_rows, gradient_rows = [], [], []
+    for arm in arms:
+        runs = {s: store[f"{arm}/seed{s}"] for s in seeds}
+        finals = [runs[s]["final_val_loss"] for s in seeds]
+        start = runs[seeds[0]]["curve"][0][1]
+        row = [f"`{arm}`", results.study.arm(arm).description, f"{start:.4f}", spread(finals).format(".4f")]
+        if arm == "llama":
+            row += ["—"] * (len(checkpoints) + 1)
+        else:
+            for tokens in checkpoints:
+                d = paired_difference([float(interpolate_curve(runs[s]["curve"], [tokens])[0]) for s in seeds],
+                                      [float(interpolate_curve(base[s]["curve"], [tokens])[0]) for s in seeds])
+                row.append(f"{d.mean:+.4f} ± {d.std:.4f}")
+            d = paired_difference(finals, [base[s]["final_val_loss"] for s in seeds])
+            row.append(f"[{d.low:+.4f}, {d.high:+.4f}], {d.negative}/{d.n} lower: {d.verdict()}")
+        rows.append(row)
+        if runs[seeds[0]]["probes"][0] is not None:
+            summaries = np.array([lambda_summary(runs[s]["probes"]) for s in seeds])
+            mean = summaries.mean(axis=0)
+            ends = np.mean([np.array(runs[s]["probes"][-1]["table"])[1:] for s in seeds], axis=0)
+            lambda_rows.append([f"`{arm}`", f"{mean[0]:.3f} → {mean[1]:.3f}", f"{mean[2]:.3f} → {mean[3]:.3f}",
+                                f"{mean[4]:.3f}", ", ".join(f"{a:.2f}/{b:.2f}" for a, b in ends)])
+            gradients = runs[seeds[0]]["initial_lambda_gradients"]
+            gradient_rows.append([f"`{arm}`"] + [", ".join(f"{k.replace('lambda_', '')} {v:.2e}"
+                                                           for k, v in gradients.items())])
+    pretrain = store[PRETRAIN]
+    lines = [
+        "# Uptraining a converted Llama vs continuing the Llama (CPU scale)",
+        f"{results.regenerate} {results.environments()}",
+        f"Model: {meta['size']}, context {store.config['seq_len']}. Data: {meta['data']}. The training blocks are "
+        f"split at random: {1 - store.config['continue_fraction']:.0%} for pre-training, "
+        f"{store.config['continue_fraction']:.0%} for the continuation (text the Llama never saw).",
+        f"Pre-training (one Llama, seed {store.config['pretrain_seed']}): {pretrain['budget']}; final validation "
+        f"loss {pretrain['final_val_loss']:.4f}. Continuation of every arm: {meta['budget']}; continuation seeds "
+        f"{', '.join(map(str, seeds))} set the batch order, the same for every arm within a seed. Conversions by "
+        "`resformer_hf.convert_llama_checkpoint` (preserve conversions verified to reproduce the Llama's logits).",
+        "",
+        markdown_table(["arm", "what", "val loss at the start", "final val loss (mean ± std)"]
+                       + [f"Δ vs Llama at {t / 1e6:.2f}M tokens" for t in checkpoints]
+                       + ["final Δ: 95% t-interval, seeds lower, verdict"], rows),
+        "",
+        "Δ is per continuation seed (arm minus the Llama continued on the same batches), mean ± std over seeds; "
+        "negative is better for the arm. *At the start* is the validation loss of the converted checkpoint before "
+        "any continuation step (preserve conversions equal the Llama's; the paper init changes the function).",
+        "",
+        "How the λ moved over the continuation (mean over seeds; λ averaged over the receiving layers 1..L−1):",
+        "",
+        markdown_table(["arm", "λ_first start → end", "λ_self start → end", "largest change of a λ",
+                        "final λ_first/λ_self per layer 1..L−1"], lambda_rows),
+        "",
+        "Gradient each λ parameter gets on the first continuation batch at the converted starting point "
+        "(max abs ∂loss/∂p; `*_offset` are the stored offsets from the initial values):",
+        "",
+        markdown_table(["arm", "max abs gradient per λ parameter"], gradient_rows),
+    ]
+    path = results.write(lines, ("uptraining", ""))
+    plot(store, arms, seeds, results.image())
+    return path
+
+
+def plot(store: CellRuns, arms: list[str], seeds: list[int], path: Path) -> None:
+    plt = pyplot()
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.6))
+    grid = [t for t, _ in store[f"llama/seed{seeds[0]}"]["curve"]]
+    tokens = np.array(grid) / 1e6
+    base = np.array([interpolate_curve(store[f"llama/seed{s}"]["curve"], grid) for s in seeds])
+    for index, arm in enumerate(arms):
+        color = "black" if arm == "llama" else f"C{index}"
+        runs = [store[f"{arm}/seed{s}"] for s in seeds]
+        losses = np.array([interpolate_curve(r["curve"], grid) for r in runs])
+        for axes, values in ((left, losses), (middle, losses - base)):
+            mean = values.mean(axis=0)
+            std = values.std(axis=0, ddof=1) if len(seeds) > 1 else np.zeros_like(mean)
+            axes.plot(tokens, mean, color=color, label=arm)
+            axes.fill_between(tokens, mean - std, mean + std, color=color, alpha=0.15, lw=0)
+        if runs[0]["probes"][0] is not None:
+            first = np.mean([[np.mean(np.array(p["table"])[1:, 0]) for p in r["probes"]] for r in runs], axis=0)
+            right.plot(tokens, first, color=color, label=arm)
+    final = base[:, -1].mean()
+    left.set_ylim(final - 0.3, final + 1.0)
+    left.set(xlabel="continuation tokens (M)", ylabel="validation loss", title="Validation loss (mean ± std)")
+    middle.axhline(0, color="grey", lw=1)
+    middle.set(xlabel="continuation tokens (M)", ylabel="val loss − continued Llama (same seed)",
+               title="Paired difference to the continued Llama")
+    middle.set_ylim(-0.15, 0.3)
+    right.set(xlabel="continuation tokens (M)", ylabel="mean λ_first over layers 1..L−1", title="λ_first")
+    save(plt, figure, (left, middle, right), path)

@@ -1,0 +1,113 @@
+"""Trains the runs a study's plan needs and the store lacks, one at a time, each saved as soon as it finishes (an
+interrupted study resumes where it stopped; processes given different seeds or cells run side by side)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
+
+from benchmarks.common import environment_line, setup_device
+from benchmarks.studies.corpora import corpus_folder
+from benchmarks.studies.data import Data, batch_order, prepare_data, read_corpus
+from benchmarks.studies.plan import PlannedRun
+from benchmarks.studies.spec import Settings
+from benchmarks.studies.store import RunStore
+from benchmarks.studies.training import cache_bytes_per_token, non_embedding_parameters, seeded_model, train
+
+#: Validation blocks the attention-entropy and token-similarity analysis runs on after training.
+ANALYSIS_SEQUENCES = 8
+
+
+def open_device(device: str, threads: int | None) -> torch.device:
+    """The training device, with float32 matmuls kept in float32 on a GPU (no TF32), so its runs are the CPU's up to
+    the order of floating-point sums."""
+    device = setup_device(argparse.Namespace(device=device, threads=threads))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return device
+
+
+def load_data(settings: Settings) -> tuple[Data, str]:
+    """The study's tokenized data and a description for its table."""
+    if settings.sample_chars:
+        from resformer_hf.text import SAMPLE_DESCRIPTION, sample_text
+
+        texts = [sample_text(settings.sample_chars)]
+        description = f"first {settings.sample_chars:,} characters of the {SAMPLE_DESCRIPTION}"
+    else:
+        folder = corpus_folder(settings.corpus, build_it=True)
+        names = [p.name for p in sorted(folder.glob("*.txt"))]
+        listed = ", ".join(names) if len(names) <= 6 else f"{len(names)} files: {', '.join(names[:3])}, …"
+        texts, description = read_corpus(folder), f"{folder.name}/ ({listed})"
+    data = prepare_data(texts, vocab_size=settings.vocab_size, val_fraction=settings.val_fraction,
+                        seq_len=settings.seq_len, val_tokens=settings.val_tokens)
+    description += (f"; byte-level BPE of {data.vocab_size} tokens trained on the training split; "
+                    f"{data.train.numel() / 1e6:.2f}M training tokens, validation on {data.val.numel() / 1e3:.0f}k "
+                    f"held-out tokens (evenly spaced blocks of the last {settings.val_fraction:.0%} of each file)")
+    return data, description
+
+
+def train_from_scratch(run: PlannedRun, data: Data, device: torch.device) -> dict:
+    """Train the run's model from its seeded initialisation; its curve, then the analysis of the trained model."""
+    budget = run.settings.budget()
+    model = seeded_model(run.arm.model, run.arm.size(run.settings), data, run.settings.seq_len, run.seed, device)
+    order = batch_order(len(data.train), budget.batch_size, budget.steps, run.seed)
+    result = train(model, data, budget, order, device, label=run.label)
+    probe = data.val[:ANALYSIS_SEQUENCES].to(device)
+    result.update(
+        attention_entropy=attention_entropy(model, probe).tolist(),
+        token_similarity=token_similarity(model, probe).tolist(),
+        lambdas=lambda_table(model).tolist(),
+        parameters=sum(p.numel() for p in model.parameters()),
+        non_embedding_parameters=non_embedding_parameters(model),
+        cache_bytes_per_token=cache_bytes_per_token(model, data.val[0].to(device)),
+    )
+    return result
+
+
+class Progress:
+    """`[done/total runs] elapsed, ETA`, weighing each run by its tokens × context (what its cost grows with)."""
+
+    def __init__(self, runs: list[PlannedRun]):
+        self.left = {id(run): self.weight(run) for run in runs}
+        self.total, self.done, self.count, self.started = len(runs), 0.0, 0, time.monotonic()
+
+    @staticmethod
+    def weight(run: PlannedRun) -> float:
+        return float(run.identity["budget"]["tokens"] * run.settings.seq_len)
+
+    def finished(self, run: PlannedRun) -> None:
+        self.done += self.left.pop(id(run))
+        self.count += 1
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / self.done * sum(self.left.values()) if self.done else 0.0
+        print(f"[{self.count}/{self.total} runs] elapsed {elapsed / 60:.0f} min, ETA {eta / 60:.0f} min", flush=True)
+
+
+def train_missing(runs: list[PlannedRun], store: RunStore, device: torch.device, command: str, *,
+                  fresh: bool = False) -> int:
+    """Train every planned run the store lacks (`fresh`: every planned run again); returns how many were trained."""
+    todo = [run for run in runs if fresh or run.identity not in store]
+    progress, datasets, trained = Progress(todo), {}, 0
+    for run in todo:
+        if not fresh and run.identity in store:  # another process finished it meanwhile
+            print(f"{run.label}: done, skipped", flush=True)
+            progress.finished(run)
+            continue
+        data_key = repr(sorted(run.identity["data"].items()))
+        if data_key not in datasets:
+            datasets = {data_key: load_data(run.settings)}  # one corpus in memory at a time
+        data, description = datasets[data_key]
+        print(f"training {run.label}", flush=True)
+        result = train_from_scratch(run, data, device)
+        provenance = {"environment": environment_line(device), "data": description, "command": command}
+        if not store.put(run.identity, result, provenance, replace=fresh):
+            print(f"{run.label}: another process stored it first; its run is kept", flush=True)
+        trained += 1
+        progress.finished(run)
+    return trained

@@ -1,0 +1,148 @@
+"""The uptrain study's runs: one Llama pre-trained on part of the training blocks and saved, converted with the real
+converter (`resformer_hf.convert_llama_checkpoint`) into each arm, and every arm — the Llama too — continued on the
+blocks the pre-training never saw. Checkpoints live in a work folder (default: the temp directory, named after the
+pre-training run) and are made only while a continuation still needs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+from resformer_hf import ResFormerForCausalLM, convert_llama_checkpoint
+
+from benchmarks.common import BASELINE, environment_line
+from benchmarks.studies.data import Data, batch_order
+from benchmarks.studies.plan import PlannedRun
+from benchmarks.studies.runner import Progress, load_data
+from benchmarks.studies.spec import ContinuedArm
+from benchmarks.studies.store import RunStore, digest
+from benchmarks.studies.training import Budget, ModelSize, lambda_parameters, seeded_model, train
+
+
+def split_blocks(data: Data, continue_fraction: float, seed: int) -> tuple[Data, Data]:
+    """(pre-training, continuation) data: a seeded random partition of the training blocks, so the continuation
+    trains on text the Llama never saw, from the same distribution; validation is shared."""
+    permutation = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(seed))
+    cut = int(len(permutation) * (1 - continue_fraction))
+    return (Data(data.tokenizer, data.train[permutation[:cut]], data.val),
+            Data(data.tokenizer, data.train[permutation[cut:]], data.val))
+
+
+def pretrain_llama(run: PlannedRun, store: RunStore, data: Data, work_dir: Path, device, command: str,
+                   description: str) -> Path:
+    """The pre-trained Llama's folder under `work_dir`, named after the stored run's validation curve (a Llama
+    trained again never meets conversions of an earlier one); trained, saved and stored first when missing."""
+    record = store.record(run.identity)
+    if record is not None and (checkpoint_folder(work_dir, record["result"]) / "llama" / "config.json").is_file():
+        return checkpoint_folder(work_dir, record["result"]) / "llama"
+    budget = Budget(**run.identity["budget"], seq_len=run.settings.seq_len)
+    print("pre-training the Llama", flush=True)
+    shape = run.identity["model"]
+    size = ModelSize(shape["hidden_size"], shape["layers"], shape["heads"], None, shape["intermediate_size"])
+    model = seeded_model(BASELINE, size, data, run.settings.seq_len, run.seed, device)
+    order = batch_order(len(data.train), budget.batch_size, budget.steps, run.seed)
+    result = train(model, data, budget, order, device, label="llama pre-training")
+    result["budget"] = budget.describe()
+    checkpoint = checkpoint_folder(work_dir, result) / "llama"
+    model.save_pretrained(checkpoint)  # before the record: a stored pre-training run has its Llama on disk
+    provenance = {"environment": environment_line(device), "data": description, "command": command}
+    store.put(run.identity, result, provenance, replace=record is not None)  # the continuations start from this one
+    return checkpoint
+
+
+def checkpoint_folder(work_dir: Path, result: dict) -> Path:
+    curve = hashlib.sha1(json.dumps(result["curve"]).encode()).hexdigest()[:10]
+    return work_dir / f"pretrained-{curve}"
+
+
+def converted(arm: ContinuedArm, llama: Path) -> Path:
+    """The arm's converted checkpoint, made once (beside the Llama) with the real converter."""
+    if arm.variant == BASELINE:
+        return llama
+    destination = llama.parent / f"{arm.variant}-{arm.init}"
+    if not (destination / "config.json").is_file():
+        report = convert_llama_checkpoint(llama, destination, variant=arm.variant, init=arm.init,
+                                          verify=arm.init == "preserve", progress=False)
+        print(report.summary(), flush=True)
+    return destination
+
+
+def load_arm(arm: ContinuedArm, checkpoint: Path, device):
+    if arm.variant == BASELINE:
+        return LlamaForCausalLM.from_pretrained(checkpoint).to(device)
+    return ResFormerForCausalLM.from_pretrained(checkpoint, **arm.lambda_overrides).to(device)
+
+
+def lambda_state(model) -> dict | None:
+    """Effective (λ_first, λ_self) per layer and the raw λ parameters (offsets from the config's initial values)."""
+    if not hasattr(model, "value_residual_lambdas"):
+        return None
+    raw = {name: param.detach().cpu().float().reshape(-1).tolist()
+           for name, param in model.base_model.value_residual.named_parameters()}
+    return {"table": model.value_residual_lambdas().tolist(), "raw": raw}
+
+
+def initial_gradients(model, data: Data, batch_size: int, device) -> dict:
+    """max |∂loss/∂p| of every λ parameter on the first continuation batch, at the converted starting point."""
+    if not lambda_parameters(model):
+        return {}
+    model.train()
+    batch = data.train[:batch_size].to(device)
+    model.zero_grad(set_to_none=True)
+    model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+    gradients = {name: float(p.grad.abs().max()) if p.grad is not None else 0.0
+                 for name, p in model.base_model.value_residual.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return gradients
+
+
+def continue_arm(run: PlannedRun, data: Data, checkpoint: Path, device) -> dict:
+    model = load_arm(run.arm, checkpoint, device)
+    budget = run.settings.budget()
+    gradients = initial_gradients(model, data, budget.batch_size, device)
+    order = batch_order(len(data.train), budget.batch_size, budget.steps, run.seed)
+    result = train(model, data, budget, order, device, label=run.label, probe=lambda_state,
+                   lambda_lr_scale=run.arm.lambda_lr_scale)
+    result["initial_lambda_gradients"] = gradients
+    return result
+
+
+def lambda_summary(probes: list[dict]) -> tuple[float, float, float, float, float]:
+    """(λ_first start, end, λ_self start, end: means over receiving layers; largest |Δλ| of any layer)."""
+    start, end = np.array(probes[0]["table"])[1:], np.array(probes[-1]["table"])[1:]
+    return start[:, 0].mean(), end[:, 0].mean(), start[:, 1].mean(), end[:, 1].mean(), np.abs(end - start).max()
+
+
+def train_missing_continuations(runs: list[PlannedRun], store: RunStore, device, command: str, *, fresh: bool = False,
+                                work_dir: Path | None = None) -> int:
+    """Pre-train the Llama when a missing continuation needs it, then continue every missing arm (`fresh`: every
+    planned continuation again, from the stored pre-training's Llama)."""
+    start, continuations = runs[0], runs[1:]
+    todo = [run for run in continuations if fresh or run.identity not in store]
+    if not todo:
+        return 0
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per run would drown the training log
+    whole, description = load_data(start.settings)
+    split = start.identity["split"]
+    pre, cont = split_blocks(whole, split["continue_fraction"], split["seed"])
+    folder = Path(work_dir or Path(tempfile.gettempdir()) / f"resformer-bench-uptrain-{digest(start.identity)}")
+    llama = pretrain_llama(start, store, pre, folder, device, command, description)
+    progress = Progress(todo)
+    for run in todo:
+        if not fresh and run.identity in store:
+            print(f"{run.label}: done, skipped", flush=True)
+        else:
+            print(f"training {run.label}", flush=True)
+            result = continue_arm(run, cont, converted(run.arm, llama), device)
+            provenance = {"environment": environment_line(device), "data": description, "command": command}
+            store.put(run.identity, result, provenance, replace=fresh)
+        progress.finished(run)
+    return len(todo)
