@@ -184,7 +184,7 @@ def check_request(path: str, raw: bytes, facts: ModelFacts) -> Plan | str | None
     prompts = completion_prompts(body)
     if isinstance(prompts, str):
         return prompts
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             tokens, exact = count_tokens(facts.tokenizer, prompt, facts.context)
             problem = length_problem(tokens, exact, facts.context, requested)
@@ -192,7 +192,7 @@ def check_request(path: str, raw: bytes, facts: ModelFacts) -> Plan | str | None
             problem = out_of_vocabulary(prompt, facts.vocab_size) or length_problem(
                 len(prompt), True, facts.context, requested)
         if problem is not None:
-            return problem if len(prompts) == 1 else f"prompt {prompts.index(prompt)}: {problem}"
+            return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
     return Plan({**body, "prompt": prompts[0]} if len(prompts) == 1 else body, prompts, n)
 
 
