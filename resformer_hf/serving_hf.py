@@ -6,15 +6,17 @@
 `expose_plugin_classes` makes the plugin's classes such attributes, in this process only; the server's own code is
 then used unchanged, every option included.
 
-`checked_requests` adds what the server lacks, through its public seams (the `uvicorn.Config` and `uvicorn.Server` it
-builds, and its completion handler class, looked up when the server is built):
+`checked_requests` adds what the server lacks, through its seams (the `uvicorn.Config` and `uvicorn.Server` it builds,
+its completion handler and generation state classes, all looked up when the server is built):
 
 - `RequestChecks`, an ASGI middleware: a request the model cannot run or that the server would misread gets a 400
   with a message (`serving_checks`), checked off the event loop (a 5 MB prompt does not stall `/health`); `n` > 1
   and lists of prompts are answered with every choice (`serving_fanout`);
 - `TokenIdsCompletionHandler`: token-id prompts, which the OpenAI completions API allows and the server refuses;
 - a watchdog: if the continuous-batching worker dies (the server's `/health` says `cb_worker_dead`), the server
-  stops and `resformer-serve` exits with status 1, so a supervisor restarts it, instead of answering 503 forever.
+  stops and `resformer-serve` exits with status 1, so a supervisor restarts it, instead of answering 503 forever;
+- the continuous-batching thread stopped when the server stops (the server leaves it running, and the process with
+  it, after a SIGTERM too).
 """
 
 from __future__ import annotations
@@ -73,9 +75,11 @@ def expose_plugin_classes() -> None:
 
 @dataclass
 class ServerState:
-    """What `checked_requests` learns about the server it wraps: the uvicorn server, and why it was stopped."""
+    """What `checked_requests` learns about the server it wraps: the uvicorn server, the server's generation state
+    (its continuous-batching worker), and whether it was stopped because that worker died."""
 
     server: Any = None
+    generation_state: Any = None
     worker_died: str | None = None
 
 
@@ -139,13 +143,13 @@ class RequestChecks:
                 await watchdog
 
     async def _watch_worker(self) -> None:
-        """Ask the server's own `/health` every `WATCH_INTERVAL_S`; when it reports a dead continuous-batching
-        worker, record it and stop the server (in-flight requests have failed already)."""
+        """Every `WATCH_INTERVAL_S`, ask the server's generation state what its `/health` reports; once the
+        continuous-batching worker is dead, record it and stop the server (in-flight requests have failed already)."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
-            status, body = await _get(self.app, "/health")
-            if status == 503 and b"cb_worker_dead" in body:
-                self.state.worker_died = body.decode(errors="replace")
+            generation = self.state.generation_state
+            if generation is not None and not generation.is_cb_alive():
+                self.state.worker_died = "cb_worker_dead"
                 logger.error("resformer-serve: the continuous-batching worker died (its error is logged above); "
                              "stopping the server so that it can be restarted")
                 server = self.state.server
@@ -246,27 +250,6 @@ def token_ids_completion_handler(base: type) -> type:
     return TokenIdsCompletionHandler
 
 
-async def _get(app: Callable, path: str) -> tuple[int, bytes]:
-    """GET `path` from `app` in this process."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET", "scheme": "http",
-             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": [],
-             "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
-    status, chunks = 500, []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
-    await app(scope, receive, send)
-    return status, b"".join(chunks)
-
-
 async def _read_body(receive: Callable) -> tuple[bytes, list[dict]]:
     chunks, messages = [], []
     while True:
@@ -309,10 +292,11 @@ def checked_requests(model_source: str) -> Iterator[ServerState]:
     constructor; subclasses of those, put where it looks them up, are the public seams between them, the same on
     every supported release."""
     import uvicorn
-    from transformers.cli.serving import completion
+    from transformers.cli.serving import completion, utils
 
     state = ServerState()
     original_config, original_server, original_handler = uvicorn.Config, uvicorn.Server, completion.CompletionHandler
+    original_generation = utils.GenerationState
 
     class CheckedConfig(original_config):
         def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
@@ -323,10 +307,20 @@ def checked_requests(model_source: str) -> Iterator[ServerState]:
             super().__init__(config)
             state.server = self
 
+    class RecordedGenerationState(original_generation):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            state.generation_state = self
+
     uvicorn.Config, uvicorn.Server = CheckedConfig, WatchedServer
     completion.CompletionHandler = token_ids_completion_handler(original_handler)
+    utils.GenerationState = RecordedGenerationState
     try:
         yield state
     finally:
         uvicorn.Config, uvicorn.Server = original_config, original_server
-        completion.CompletionHandler = original_handler
+        completion.CompletionHandler, utils.GenerationState = original_handler, original_generation
+        if state.generation_state is not None:
+            # The server never stops its continuous-batching thread, which is not a daemon: without this the process
+            # outlives its server (after SIGTERM too) until it is killed.
+            state.generation_state.shutdown()

@@ -396,3 +396,16 @@ def test_a_dead_batching_worker_stops_the_server_with_status_1(folders, tmp_path
         assert "resformer-serve: error: the continuous-batching worker died" in server.log_tail()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("name", ["svformer", "llama"])
+def test_sigterm_stops_a_batching_server(folders, tmp_path, name):
+    """After serving with continuous batching, SIGTERM ends the process (status 143) without a SIGKILL: transformers'
+    server leaves its batching thread, not a daemon, running after it stops, and the process with it."""
+    server = Server(folders[name], tmp_path / "stopping.log", *CB_FLAGS)
+    try:
+        assert server.complete(PROMPTS[1])[1] == MAX_TOKENS
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 143, server.log_tail()
+    finally:
+        server.close()
