@@ -136,6 +136,12 @@ def _paged_cache_class() -> type:
     return PagedAttentionCache
 
 
+def is_paged_cache(cache: Cache | None) -> bool:
+    """Whether `cache` is continuous batching's paged cache, where a cross-layer-attention consumer updates its
+    producer's pages too (`paged_cache.py`)."""
+    return cache is not None and isinstance(cache, _paged_cache_class())
+
+
 def update_cache(cache: Cache, key_states, value_states, layer_idx: int, kwargs: dict):
     """`Cache.update` as this release's Llama attention calls it (5.24 also hands the layer the attention kwargs)."""
     if CACHE_RENAMED:

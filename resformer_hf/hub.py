@@ -99,7 +99,8 @@ def save_for_hub(
         model_id=model_id,
     )
 
-# Beyond huggingface_hub's defaults: bytecode, and `refresh_code`'s staging files (`.<name>.<random>.tmp`).
+# Beyond huggingface_hub's defaults: bytecode, and `--refresh-code`'s own files (staging files, kept originals and
+# the journal: all `.<name>.tmp`, see `file_transaction`).
 _NOT_UPLOADED = ("__pycache__/*", "*/__pycache__/*", ".*.tmp", "*/.*.tmp")
 
 

@@ -47,6 +47,7 @@ from ._compat import (
     accepts_cache,
     create_causal_mask,
     generation_cache,
+    is_paged_cache,
     model_output,
     refuse_unread_cache,
     update_cache,
@@ -107,9 +108,13 @@ class ResFormerAttention(LlamaAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple]:
         """Returns (attention output, attention weights, the stack of raw values for later layers, the (K, V) the
         next layer attends over with cross-layer attention, else (None, None))."""
+        paged = is_paged_cache(cache)
         if self.reads_shared_keys_values:
+            keys, values = shared_keys_values
+            if paged:  # the producer's K and V of these tokens, through its pages (see `paged_cache.py`)
+                keys, values = update_cache(cache, keys, values, self.layer_idx, kwargs)
             attn_output, attn_weights = attend_over_shared_keys_values(
-                self, hidden_states, *shared_keys_values, position_embeddings, attention_mask, **kwargs)
+                self, hidden_states, keys, values, position_embeddings, attention_mask, **kwargs)
             return attn_output, attn_weights, residual_values, shared_keys_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -141,8 +146,13 @@ class ResFormerAttention(LlamaAttention):
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
+        # With cross-layer attention, the next layer attends over these K and V: in the paged cache the tokens' own,
+        # which it updates the pages with as this layer does; elsewhere the cached ones this update returns.
+        handed_on = (key_states, value_states)
         if cache is not None:
             key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
+            if not paged:
+                handed_on = (key_states, value_states)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -164,7 +174,7 @@ class ResFormerAttention(LlamaAttention):
         else:
             attn_output = attn_output.reshape(*input_shape, -1).contiguous()
             attn_output = self.o_proj(attn_output)
-        return attn_output, attn_weights, residual_values, (key_states, value_states)
+        return attn_output, attn_weights, residual_values, handed_on
 
 
 class ResFormerDecoderLayer(GradientCheckpointingLayer):

@@ -1,10 +1,11 @@
 """`resformer-convert --refresh-code`: give a saved ResFormer folder this plugin's remote code, all or nothing.
 
 Everything is checked before anything is written: `config.json` parses, is a ResFormer config that `ResFormerConfig`
-accepts and that describes the weights beside it, its `auto_map` is well-formed, and every target can be replaced.
-Then every new file is staged beside its target and only when all are staged are they renamed into place, so a
-refused or failed refresh leaves the folder byte-identical (no staging file survives). `config.json` changes only in
-its `auto_map` value: the rest of its text (key order, non-ASCII, number spelling) is kept as written.
+accepts and that describes the weights beside it, its `auto_map` is well-formed, and every target is a regular file.
+Then `file_transaction.replace_files` writes all files or none: a refused or failed refresh leaves the folder
+byte-identical (no staging file survives), and a run killed midway is undone and completed by the next run.
+`config.json` changes only in its `auto_map` value: the rest of its text (key order, non-ASCII, number spelling) is
+kept as written.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from transformers.dynamic_module_utils import custom_object_save
 
 from .configuration_resformer import ResFormerConfig
 from .errors import UserInputError
+from .file_transaction import folder_lock, replace_files
 from .loading import check_value_projections
 from .modeling_resformer import ResFormerForCausalLM, ResFormerModel
 from .registration import full_auto_map
@@ -45,24 +47,30 @@ def refresh_remote_code(directory: str | os.PathLike) -> list[str]:
     the names of the files written.
     """
     directory = Path(directory)
-    config_path = directory / "config.json"
-    text, config = _read_config(directory, config_path)
-    _check_auto_map(config_path, config.get("auto_map"))
-    _check_describes_the_weights(directory, config_path, _accepted_config(config_path, config))
-    new_config = _with_auto_map(text, {**(config.get("auto_map") or {}), **full_auto_map()})
-    with tempfile.TemporaryDirectory() as fresh:
-        custom_object_save(ResFormerForCausalLM, fresh)
-        code = sorted(Path(fresh).glob("*.py"), key=lambda path: (path.name in _ENTRY_MODULES, path.name))
-        contents = {directory / path.name: path.read_bytes() for path in code}
-    contents[config_path] = new_config.encode("utf-8")
-    _check_writable(directory, contents)
-    _replace_all(contents)
+    if not directory.is_dir():
+        raise UserInputError(f"{directory} is not a folder: pass the folder of a saved ResFormer model.")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise UserInputError(f"{directory} is not writable: no file can be replaced there; nothing was changed.")
+    with folder_lock(directory) as put_back:
+        if put_back is not None:
+            warnings.warn(f"{directory}: an interrupted --refresh-code was undone before this run (originals put "
+                          f"back: {', '.join(put_back) or 'none'}; its staging files removed)", stacklevel=2)
+        config_path = directory / "config.json"
+        text, config = _read_config(directory, config_path)
+        _check_auto_map(config_path, config.get("auto_map"))
+        _check_describes_the_weights(directory, config_path, _accepted_config(config_path, config))
+        new_config = _with_auto_map(text, {**(config.get("auto_map") or {}), **full_auto_map()})
+        with tempfile.TemporaryDirectory() as fresh:
+            custom_object_save(ResFormerForCausalLM, fresh)
+            code = sorted(Path(fresh).glob("*.py"), key=lambda path: (path.name in _ENTRY_MODULES, path.name))
+            contents = {directory / path.name: path.read_bytes() for path in code}
+        contents[config_path] = new_config.encode("utf-8")
+        _check_targets(contents)
+        replace_files(directory, contents)
     return [target.name for target in contents]
 
 
 def _read_config(directory: Path, config_path: Path) -> tuple[str, dict[str, Any]]:
-    if not directory.is_dir():
-        raise UserInputError(f"{directory} is not a folder: pass the folder of a saved ResFormer model.")
     if not config_path.is_file():
         raise UserInputError(f"{directory} has no config.json: pass the folder of a saved ResFormer model.")
     try:
@@ -221,59 +229,12 @@ def _indent_before(text: str, position: int) -> str:
     return text[line_start:position] if text[line_start:position].isspace() else "  "
 
 
-def _check_writable(directory: Path, contents: Mapping[Path, bytes]) -> None:
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise UserInputError(f"{directory} is not writable: no file can be replaced there; nothing was changed.")
+def _check_targets(contents: Mapping[Path, bytes]) -> None:
     for target in contents:
         if target.is_symlink() or (target.exists() and not target.is_file()):
             raise UserInputError(
                 f"{target} is not a regular file, so it cannot be replaced; move it away first. Nothing was changed."
             )
-
-
-def _replace_all(contents: Mapping[Path, bytes]) -> None:
-    """Stage every file beside its target, then rename each into place; a failure while staging removes every
-    staged file and leaves the targets as they were."""
-    staged: dict[Path, Path] = {}
-    try:
-        for target, content in contents.items():
-            staged[target] = _stage(target, content)
-    except OSError as error:
-        for staging in staged.values():
-            staging.unlink(missing_ok=True)
-        failed = next(target for target in contents if target not in staged)
-        raise UserInputError(
-            f"cannot write {failed}: {error.strerror or error}; nothing was changed."
-        ) from None
-    except BaseException:
-        for staging in staged.values():
-            staging.unlink(missing_ok=True)
-        raise
-    for target, staging in staged.items():
-        os.replace(staging, target)
-
-
-def _stage(target: Path, content: bytes) -> Path:
-    """A hidden sibling of `target` holding `content`, flushed to disk, with `target`'s mode, or for a new file the
-    mode `open()` gives (0666 less the umask, as `save_pretrained`'s files get)."""
-    while True:
-        staging = target.with_name(f".{target.name}.{secrets.token_hex(4)}.tmp")
-        try:
-            handle = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(content)
-            stream.flush()
-            os.fsync(stream.fileno())
-        if target.exists():
-            os.chmod(staging, target.stat().st_mode & 0o7777)
-    except BaseException:
-        staging.unlink(missing_ok=True)
-        raise
-    return staging
 
 
 def _short(value: Any, limit: int = 80) -> str:

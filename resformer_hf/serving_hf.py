@@ -6,15 +6,27 @@
 `expose_plugin_classes` makes the plugin's classes such attributes, in this process only; the server's own code is
 then used unchanged, every option included.
 
-`transformers serve` answers some bad requests with a 500 (or a stream that ends in an error) rather than a 4xx:
-`RequestChecks` is an ASGI middleware that answers them with a 400 and a message first.
+`checked_requests` adds what the server lacks, through its seams (the `uvicorn.Config` and `uvicorn.Server` it builds,
+its completion handler and generation state classes, all looked up when the server is built):
+
+- `RequestChecks`, an ASGI middleware: a request the model cannot run or that the server would misread gets a 400
+  with a message (`serving_checks`), checked off the event loop (a 5 MB prompt does not stall `/health`); `n` > 1
+  and lists of prompts are answered with every choice (`serving_fanout`);
+- `TokenIdsCompletionHandler`: token-id prompts, which the OpenAI completions API allows and the server refuses;
+- a watchdog: if the continuous-batching worker dies (the server's `/health` says `cb_worker_dead`), the server
+  stops and `resformer-serve` exits with status 1, so a supervisor restarts it, instead of answering 503 forever;
+- the continuous-batching thread stopped when the server stops (the server leaves it running, and the process with
+  it, after a SIGTERM too).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import transformers
@@ -26,6 +38,19 @@ from .modeling_resformer import (
     ResFormerForTokenClassification,
     ResFormerModel,
 )
+from .serving_checks import (
+    CHOICE_ENDPOINTS,
+    GENERATION_ENDPOINTS,
+    Plan,
+    completion_prompts,
+    count_tokens,
+    field_problem,
+    length_problem,
+    messages_problem,
+    out_of_vocabulary,
+    text_messages,
+)
+from .serving_fanout import answer, fan_out, part_bodies
 
 PLUGIN_CLASSES = (
     ResFormerModel,
@@ -34,13 +59,10 @@ PLUGIN_CLASSES = (
     ResFormerForTokenClassification,
     ResFormerForQuestionAnswering,
 )
+#: Seconds between two looks at the server's `/health` for a dead continuous-batching worker.
+WATCH_INTERVAL_S = 1.0
 
-#: The endpoints whose bodies `RequestChecks` reads, and the fields that bound the number of new tokens there.
-GENERATION_ENDPOINTS = {
-    "/v1/completions": ("max_tokens",),
-    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
-    "/v1/responses": ("max_output_tokens",),
-}
+logger = logging.getLogger(__name__)
 
 
 def expose_plugin_classes() -> None:
@@ -51,99 +73,181 @@ def expose_plugin_classes() -> None:
             setattr(transformers, model_class.__name__, model_class)
 
 
-class RequestChecks:
-    """ASGI middleware in front of the server's app: a generation request whose token bound is not a positive
-    integer, whose prompt does not fit the model's context (`max_position_embeddings`), or that asks for a chat
-    completion of a model without a chat template is answered 400 with a message saying what to change. Everything
-    else (malformed JSON included, which the server answers 422 itself) goes to the app unchanged."""
+@dataclass
+class ServerState:
+    """What `checked_requests` learns about the server it wraps: the uvicorn server, the server's generation state
+    (its continuous-batching worker), and whether it was stopped because that worker died."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], model_source: str) -> None:
+    server: Any = None
+    generation_state: Any = None
+    worker_died: str | None = None
+
+
+@dataclass
+class ModelFacts:
+    tokenizer: Any
+    context: int | None
+    vocab_size: int | None
+
+
+class RequestChecks:
+    """ASGI middleware in front of the server's app (see the module docstring). Malformed JSON goes to the app
+    unchanged (it answers 422 itself)."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], model_source: str,
+                 state: ServerState | None = None) -> None:
         self.app = app
         self.model_source = model_source
-        self._tokenizer = None
-        self._context = None
+        self.state = state or ServerState()
+        self._facts: ModelFacts | None = None
+        self._facts_lock = asyncio.Lock()
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope.get("type") == "lifespan":
+            await self._with_watchdog(scope, receive, send)
+            return
         checked = scope.get("type") == "http" and scope.get("method") == "POST"
         if not checked or scope.get("path") not in GENERATION_ENDPOINTS:
             await self.app(scope, receive, send)
             return
-        body, messages = await _read_body(receive)
-        problem = await self._problem(scope["path"], body)
-        if problem is not None:
-            await _answer(send, 400, {"error": {"message": problem, "type": "invalid_request_error"}})
+        raw, messages = await _read_body(receive)
+        facts = await self._model_facts()
+        plan = await asyncio.to_thread(check_request, scope["path"], raw, facts)
+        if isinstance(plan, str):
+            await _answer_json(send, 400, {"error": {"message": plan, "type": "invalid_request_error"}})
             return
-        await self.app(scope, _replay(messages, receive), send)
+        if plan is None:  # not a JSON object: the app's own answer
+            await self.app(scope, _replay(messages, receive), send)
+            return
+        if plan.choices > 1:
+            prompts = plan.prompts if scope["path"] == "/v1/completions" else None
+            await fan_out(self.app, scope, receive, send, part_bodies(plan.body, prompts, plan.n), plan.n,
+                          bool(plan.body.get("stream")))
+            return
+        body = json.dumps(plan.body).encode()
+        await self.app(_with_length(scope, body), _replay([{"type": "http.request", "body": body}], receive), send)
 
-    async def _problem(self, path: str, raw: bytes) -> str | None:
+    async def _model_facts(self) -> ModelFacts:
+        async with self._facts_lock:
+            if self._facts is None:
+                self._facts = await asyncio.to_thread(load_model_facts, self.model_source)
+        return self._facts
+
+    async def _with_watchdog(self, scope: dict, receive: Callable, send: Callable) -> None:
+        watchdog = asyncio.create_task(self._watch_worker())
         try:
-            body = json.loads(raw)
-        except ValueError:
-            return None  # the server's own 422 ("JSON decode error") says where
-        if not isinstance(body, dict):
-            return None
-        for field in GENERATION_ENDPOINTS[path]:
-            value = body.get(field)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                return f"{field} must be a positive integer (the number of tokens to generate), got {value!r}"
-        if path == "/v1/responses":
-            return None
-        import asyncio
+            await self.app(scope, receive, send)
+        finally:
+            watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watchdog
 
-        if self._tokenizer is None:
-            self._tokenizer, self._context = await asyncio.to_thread(_tokenizer_and_context, self.model_source)
-        return self._prompt_problem(path, body)
-
-    def _prompt_problem(self, path: str, body: dict) -> str | None:
-        tokenizer = self._tokenizer
-        if path == "/v1/chat/completions":
-            if not getattr(tokenizer, "chat_template", None):
-                return (f"{self.model_source} has no chat template: use /v1/completions with a plain prompt, or add a "
-                        "chat_template to its tokenizer_config.json")
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                return None  # the server validates the messages itself
-            try:
-                ids = tokenizer.apply_chat_template(_text_messages(messages), add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)
-            except Exception:  # noqa: BLE001 - a template error is the server's to report
-                return None
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                return None
-            ids = tokenizer(prompt)["input_ids"]
-        prompt_tokens = len(ids)
-        if self._context is None:
-            return None
-        if prompt_tokens > self._context:
-            return (f"the prompt is {prompt_tokens} tokens but the model's context is {self._context} tokens "
-                    "(max_position_embeddings): shorten the prompt")
-        requested = next((body[f] for f in GENERATION_ENDPOINTS[path] if body.get(f) is not None), None)
-        if requested is not None and prompt_tokens + requested > self._context:
-            return (f"the prompt ({prompt_tokens} tokens) plus max_tokens ({requested}) exceeds the model's context "
-                    f"of {self._context} tokens: lower max_tokens to {self._context - prompt_tokens} or less")
-        return None
+    async def _watch_worker(self) -> None:
+        """Every `WATCH_INTERVAL_S`, ask the server's generation state what its `/health` reports; once the
+        continuous-batching worker is dead, record it and stop the server (in-flight requests have failed already)."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            generation = self.state.generation_state
+            if generation is not None and not generation.is_cb_alive():
+                self.state.worker_died = "cb_worker_dead"
+                logger.error("resformer-serve: the continuous-batching worker died (its error is logged above); "
+                             "stopping the server so that it can be restarted")
+                server = self.state.server
+                if server is not None:
+                    server.config.timeout_graceful_shutdown = 10
+                    server.should_exit = True
+                return
 
 
-def _tokenizer_and_context(model_source: str) -> tuple[Any, int | None]:
+def load_model_facts(model_source: str) -> ModelFacts:
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_source)
     config = AutoConfig.from_pretrained(model_source)
     config = getattr(config, "get_text_config", lambda: config)()
-    return tokenizer, getattr(config, "max_position_embeddings", None)
+    return ModelFacts(tokenizer, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
 
 
-def _text_messages(messages: list[dict]) -> list[dict]:
-    """OpenAI messages with list-of-parts content collapsed to text, as the server does for a text model."""
-    result = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        result.append({**message, "content": content if content is not None else ""})
-    return result
+def check_request(path: str, raw: bytes, facts: ModelFacts) -> Plan | str | None:
+    """The checked request (`Plan`), the message of a 400, or None for a body that is not a JSON object."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    problem = field_problem(path, body)
+    if problem is not None:
+        return problem
+    requested = next((body[name] for name in GENERATION_ENDPOINTS[path] if body.get(name) is not None), None)
+    n = (body.get("n") or 1) if path in CHOICE_ENDPOINTS else 1
+    if path == "/v1/responses":
+        return Plan(body)
+    if path == "/v1/chat/completions":
+        return messages_problem(body) or _chat_length_problem(body, facts, requested) or Plan(body, n=n)
+    prompts = completion_prompts(body)
+    if isinstance(prompts, str):
+        return prompts
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            tokens, exact = count_tokens(facts.tokenizer, prompt, facts.context)
+            problem = length_problem(tokens, exact, facts.context, requested)
+        else:
+            problem = out_of_vocabulary(prompt, facts.vocab_size) or length_problem(
+                len(prompt), True, facts.context, requested)
+        if problem is not None:
+            return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
+    return Plan({**body, "prompt": prompts[0]} if len(prompts) == 1 else body, prompts, n)
+
+
+def _chat_length_problem(body: dict, facts: ModelFacts, requested: int | None) -> str | None:
+    tokenizer = facts.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        return (f"{tokenizer.name_or_path} has no chat template: use /v1/completions with a plain prompt, or add a "
+                "chat_template to its tokenizer_config.json")
+    try:
+        text = tokenizer.apply_chat_template(text_messages(body["messages"]), add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template error is the server's to report
+        return None
+    tokens, exact = count_tokens(tokenizer, text, facts.context, add_special_tokens=False)
+    return length_problem(tokens, exact, facts.context, requested)
+
+
+def token_ids_inputs(ids: list[int], use_cb: bool, device: Any):
+    """What the completion handler makes of a text prompt, for token ids: a list for continuous batching, a batch of
+    one on the model's device for `generate()`."""
+    from transformers import BatchEncoding
+
+    if use_cb:
+        return BatchEncoding({"input_ids": list(ids), "attention_mask": [1] * len(ids)})
+    return BatchEncoding({"input_ids": [list(ids)], "attention_mask": [[1] * len(ids)]}, tensor_type="pt").to(device)
+
+
+def token_ids_completion_handler(base: type) -> type:
+    """`base` (the server's `CompletionHandler`) serving a prompt of token ids as it serves a text prompt's."""
+
+    class TokenIdsCompletionHandler(base):
+        async def handle_request(self, body: dict, request_id: str):
+            prompt = body.get("prompt")
+            if not (isinstance(prompt, list) and prompt and all(type(token) is int for token in prompt)):
+                return await super().handle_request(body, request_id)
+            # The steps of `CompletionHandler.handle_request` (5.19 to 5.24), with the ids for the tokenizer's output
+            self._validate_request(body)
+            model_id, model, processor = self._resolve_model(body)
+            modality = self.model_manager.get_model_modality(model, processor=processor)
+            use_cb = self.generation_state.use_continuous_batching(model, modality)
+            gen_manager = self.generation_state.get_manager(model_id, use_cb=use_cb)
+            inputs = token_ids_inputs(prompt, use_cb, model.device)
+            gen_config = self._build_generation_config(body, model.generation_config, use_cb=use_cb)
+            if use_cb:
+                gen_manager.init_cb(model, gen_config)
+            arguments = (request_id, model, processor, model_id, inputs, gen_config, gen_manager, body.get("suffix"))
+            if body.get("stream"):
+                return self._streaming(*arguments)
+            return await self._non_streaming(*arguments)
+
+    return TokenIdsCompletionHandler
 
 
 async def _read_body(receive: Callable) -> tuple[bytes, list[dict]]:
@@ -168,29 +272,55 @@ def _replay(messages: list[dict], receive: Callable) -> Callable:
     return replayed
 
 
-async def _answer(send: Callable, status: int, payload: dict) -> None:
+def _with_length(scope: dict, body: bytes) -> dict:
+    headers = [(key, value) for key, value in scope.get("headers", []) if key.lower() != b"content-length"]
+    return {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
+
+
+async def _answer_json(send: Callable, status: int, payload: dict) -> None:
     body = json.dumps(payload).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await answer(send, status, [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())], body)
 
 
 @contextlib.contextmanager
-def checked_requests(model_source: str) -> Iterator[None]:
-    """While in the block, every app `uvicorn.Config` is given (the server builds one) runs behind `RequestChecks`.
+def checked_requests(model_source: str) -> Iterator[ServerState]:
+    """While in the block, the server `transformers serve` builds runs behind `RequestChecks`, serves token-id
+    prompts, and is stopped if its continuous-batching worker dies (the yielded state says so afterwards).
 
-    `transformers serve` builds its app and its `uvicorn.Config` inside one constructor; a `uvicorn.Config` subclass
-    is the one public seam between the two, the same on every supported release."""
+    `transformers serve` builds its app, its `uvicorn.Config` and `uvicorn.Server` and its handlers inside one
+    constructor; subclasses of those, put where it looks them up, are the public seams between them, the same on
+    every supported release."""
     import uvicorn
+    from transformers.cli.serving import completion, utils
 
-    original = uvicorn.Config
+    state = ServerState()
+    original_config, original_server, original_handler = uvicorn.Config, uvicorn.Server, completion.CompletionHandler
+    original_generation = utils.GenerationState
 
-    class CheckedConfig(original):
+    class CheckedConfig(original_config):
         def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(RequestChecks(app, model_source), *args, **kwargs)
+            super().__init__(RequestChecks(app, model_source, state), *args, **kwargs)
 
-    uvicorn.Config = CheckedConfig
+    class WatchedServer(original_server):
+        def __init__(self, config: Any) -> None:
+            super().__init__(config)
+            state.server = self
+
+    class RecordedGenerationState(original_generation):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            state.generation_state = self
+
+    uvicorn.Config, uvicorn.Server = CheckedConfig, WatchedServer
+    completion.CompletionHandler = token_ids_completion_handler(original_handler)
+    utils.GenerationState = RecordedGenerationState
     try:
-        yield
+        yield state
     finally:
-        uvicorn.Config = original
+        uvicorn.Config, uvicorn.Server = original_config, original_server
+        completion.CompletionHandler, utils.GenerationState = original_handler, original_generation
+        if state.generation_state is not None:
+            # The server never stops its continuous-batching thread, which is not a daemon: without this the process
+            # outlives its server (after SIGTERM too) until it is killed.
+            state.generation_state.shutdown()

@@ -2,8 +2,9 @@
 tokens for every variant, λ moved off their initial values, prompts of mixed lengths in one batch; a Llama of the
 same shape is the control. Runs on the oldest supported transformers too (README, "Run the tests").
 
-SVFormer's values are stored once in the paged cache (`resformer_hf.paged_cache`): its tokens are checked with
-pages of 8 tokens too, so requests span many blocks, and the cache of one size holds 2L/(L+1) times a Llama's tokens.
+The paged cache gives pages only to the layers that store keys or values (`resformer_hf.paged_cache`): SVFormer's
+values once, cross-layer attention's K and V once per group, both combined. Their tokens are checked with pages of 8
+tokens too, so requests span many blocks, and their bytes per cached token exactly, against a Llama's.
 
 The paged cache is sized explicitly: on CPU, 5.19 otherwise sizes it from the machine's memory (and was killed for
 memory). On 5.19-5.23 the engine hands its paged cache to the attention function under the name that is the layer's
@@ -19,7 +20,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 
 from resformer_hf.configuration_resformer import VARIANTS
-from resformer_hf.paged_cache import FirstLayerValuesAllocator
+from resformer_hf.paged_cache import StoredKeysValuesAllocator
 
 from helpers import llama_config_like, randomised_model, tiny_config
 
@@ -60,8 +61,18 @@ def sharpened(model):
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
-            layer.self_attn.k_proj.weight.mul_(4)
+            if layer.self_attn.k_proj is not None:  # cross-layer attention's consumers have none
+                layer.self_attn.k_proj.weight.mul_(4)
     return model
+
+
+#: Cross-layer attention with each variant it combines with (CLA3 at L = 4: groups of 3 and 1 layers).
+CLA = {
+    "cla2": dict(value_residual="none", cross_layer_attention=2),
+    "cla3": dict(value_residual="none", cross_layer_attention=3),
+    "svformer_cla2": dict(value_residual="svformer", cross_layer_attention=2),
+    "denseformer_cla2": dict(value_residual="denseformer", cross_layer_attention=2, denseformer_dilation=2),
+}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -71,6 +82,18 @@ def test_generate_batch_gives_generates_greedy_tokens(variant):
     prompts = _prompts()
     expected = generate_one_by_one(model, prompts)
     assert generate_continuously(model, prompts) == expected
+
+
+@pytest.mark.parametrize("case", CLA)
+def test_cross_layer_attention_in_pages_of_its_producers_gives_generates_greedy_tokens(case):
+    """Consumers read (and rewrite) their producer's pages, also with pages of 8 tokens (requests span blocks)."""
+    fields = dict(CLA[case])
+    torch.manual_seed(0)
+    model = sharpened(randomised_model(fields.pop("value_residual"), **fields))
+    prompts = _prompts()
+    expected = generate_one_by_one(model, prompts)
+    assert generate_continuously(model, prompts) == expected
+    assert generate_continuously(model, prompts, page_size=8) == expected
 
 
 def test_llama_control_and_the_variants_differ():
@@ -104,7 +127,7 @@ def test_svformer_paged_cache_holds_its_values_once():
     svformer, llama = tiny_config("svformer"), llama_config_like(tiny_config("svformer"))
     layers = svformer.num_hidden_layers
     (sv_allocator,), (llama_allocator,) = (list(_paged_cache(c).cache_allocators.values()) for c in (svformer, llama))
-    assert isinstance(sv_allocator, FirstLayerValuesAllocator) and sv_allocator.values_once
+    assert isinstance(sv_allocator, StoredKeysValuesAllocator) and sv_allocator.values_once
     assert not llama_allocator.values_once
     sv_bytes_per_token = sv_allocator.bytes_per_block / sv_allocator.tokens_per_page
     llama_bytes_per_token = llama_allocator.bytes_per_block / llama_allocator.tokens_per_page
@@ -114,3 +137,53 @@ def test_svformer_paged_cache_holds_its_values_once():
     values = {v.data_ptr() for _, v in sv_allocator._kv_token_views.values()}
     keys = {k.data_ptr() for k, _ in sv_allocator._kv_token_views.values()}
     assert len(values) == 1 and len(keys) == layers and not values & keys
+
+
+def test_stock_allocator_gives_the_same_tokens_with_a_page_per_layer(monkeypatch):
+    """Remote code without the plugin gets transformers' own allocator: consumers write their producer's K and V into
+    pages of their own, and the tokens are the same."""
+    from transformers.generation.continuous_batching import cache as paged_cache_module
+    from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+
+    for key, allocator in dict(paged_cache_module.ATTN_TYPE_TO_ALLOCATOR).items():
+        if allocator is StoredKeysValuesAllocator:
+            monkeypatch.setitem(paged_cache_module.ATTN_TYPE_TO_ALLOCATOR, key, FullAttentionCacheAllocator)
+    fields = dict(CLA["svformer_cla2"])
+    torch.manual_seed(0)
+    model = sharpened(randomised_model(fields.pop("value_residual"), **fields))
+    (allocator,) = _paged_cache(model.config).cache_allocators.values()
+    assert type(allocator) is FullAttentionCacheAllocator and allocator.pages_per_block == 4
+    prompts = _prompts()
+    assert generate_continuously(model, prompts) == generate_one_by_one(model, prompts)
+
+
+#: (fields, layers, bytes per cached token with 2 kv heads × head dim 8 in float32, share of the Llama's 16·L·2·8/4)
+PAGED_BYTES = {
+    "cla2": (CLA["cla2"], 4, 256, 1 / 2),
+    "cla3": (CLA["cla3"], 4, 256, 1 / 2),  # groups [0, 1, 2], [3]: two producers
+    "svformer_cla2": (CLA["svformer_cla2"], 4, 192, 3 / 8),  # (L/2 + 1)/(2L)
+    "cla2_8": (CLA["cla2"], 8, 512, 1 / 2),
+    "svformer_cla2_8": (CLA["svformer_cla2"], 8, 320, 5 / 16),
+    "svformer_8": (dict(value_residual="svformer"), 8, 576, 9 / 16),  # (L + 1)/(2L)
+}
+
+
+@pytest.mark.parametrize("case", PAGED_BYTES)
+def test_paged_cache_gives_pages_only_to_layers_that_store_keys_or_values(case):
+    """Exact bytes per cached token against a Llama of the same shape; one byte budget holds the inverse ratio of
+    tokens; every consumer's pages are its producer's (the same storage)."""
+    fields, layers, expected_bytes, share = PAGED_BYTES[case]
+    config = tiny_config(**{**fields, "num_hidden_layers": layers})
+    llama = llama_config_like(config)
+    (allocator,), (llama_allocator,) = (list(_paged_cache(c).cache_allocators.values()) for c in (config, llama))
+    bytes_per_token = allocator.bytes_per_block / allocator.tokens_per_page
+    llama_bytes_per_token = llama_allocator.bytes_per_block / llama_allocator.tokens_per_page
+    assert (bytes_per_token, llama_bytes_per_token) == (expected_bytes, layers * 2 * 2 * 8 * 4)
+    assert bytes_per_token / llama_bytes_per_token == share
+    assert abs(allocator.num_blocks / llama_allocator.num_blocks - 1 / share) < 1 / llama_allocator.num_blocks + 1e-9
+    sources = config.key_value_source_layers
+    views = allocator._kv_token_views
+    assert sorted(views) == list(range(layers))
+    for layer in range(layers):
+        assert views[layer][0].data_ptr() == views[sources[layer]][0].data_ptr()
+    assert len({keys.data_ptr() for keys, _ in views.values()}) == len(set(sources))

@@ -11,12 +11,14 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from resformer_hf import refresh_code
+from resformer_hf import file_transaction, refresh_code
 from resformer_hf.cli.convert import main as convert_main
 from resformer_hf.hub import finish_hub_folder
 from resformer_hf.registration import full_auto_map
@@ -55,7 +57,7 @@ def edit_config(folder: Path, **fields) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def assert_refused(folder: Path, capsys, *message: str, argv: tuple[str, ...] = ()) -> None:
+def assert_refused(folder: Path, capsys, *message: str, argv: tuple[str, ...] = ()) -> str:
     before = snapshot(folder)
     capsys.readouterr()  # drop what building the folder printed
     assert convert_main(["--refresh-code", str(folder), *argv]) == 2
@@ -64,6 +66,7 @@ def assert_refused(folder: Path, capsys, *message: str, argv: tuple[str, ...] = 
     for part in message:
         assert part in error, error
     assert snapshot(folder) == before
+    return error
 
 
 @pytest.mark.parametrize("auto_map", ["x", ["x"], 1, {"AutoModelForCausalLM": 5}, {"AutoConfig": "noclass"}])
@@ -108,18 +111,158 @@ def test_a_target_that_is_not_a_file_is_refused_before_anything_is_written(folde
 
 def test_a_write_that_fails_midway_leaves_the_folder_as_it_was(folder, capsys, monkeypatch):
     """A full disk while staging the third file: the staged ones are removed, no target was touched."""
-    real_stage, calls = refresh_code._stage, []
+    real_stage, calls = file_transaction._stage, []
 
-    def stage_until_the_disk_is_full(target, content):
+    def stage_until_the_disk_is_full(target, staging, content):
         calls.append(target)
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        return real_stage(target, content)
+        return real_stage(target, staging, content)
 
-    monkeypatch.setattr(refresh_code, "_stage", stage_until_the_disk_is_full)
+    monkeypatch.setattr(file_transaction, "_stage", stage_until_the_disk_is_full)
     (folder / "modeling_resformer.py").write_text("# stale\n")
-    assert_refused(folder, capsys, "cannot write", "No space left on device")
-    assert len(calls) == 3
+    error = assert_refused(folder, capsys, "cannot replace", "No space left on device", "every file was put back")
+    assert len(calls) == 3 and f"cannot replace {calls[2]}:" in error
+
+
+def _stale(folder: Path, drop: str | None = "loading.py") -> None:
+    """Make the folder's code an older plugin's: every module edited, `drop` missing (a new file for the refresh),
+    another `auto_map`; so that every rename changes what the folder holds."""
+    for path in folder.glob("*.py"):
+        path.write_bytes(b"# an older plugin's code\n" + path.read_bytes())
+    if drop:
+        (folder / drop).unlink()
+    edit_config(folder, auto_map={"AutoConfig": "configuration_resformer.ResFormerConfig"})
+
+
+@pytest.fixture(scope="module")
+def refreshed(saved, tmp_path_factory) -> tuple[list[str], dict[str, tuple[int, str]]]:
+    """The targets in the order a refresh renames them, and what a refresh that nothing interrupted makes of a
+    `_stale` folder: the state every test below must reach after its re-run."""
+    copy = tmp_path_factory.mktemp("clean") / "folder"
+    shutil.copytree(saved, copy)
+    _stale(copy)
+    targets = refresh_code.refresh_remote_code(copy)
+    assert len(targets) == 13 and targets[-1] == "config.json" and "loading.py" in targets
+    return targets, snapshot(copy)
+
+
+def _is_rename_into_place(source: Path) -> bool:
+    return source.name.endswith(".tmp") and not source.name.endswith(".orig.tmp")
+
+
+@pytest.mark.parametrize("k", range(13))
+def test_a_rename_that_fails_after_k_renames_puts_every_original_back(folder, capsys, monkeypatch, k, refreshed):
+    """The (k+1)-th rename into place fails: the k renamed targets get their originals back (the new file is
+    removed), the error names the target, the folder is byte-identical; the next run completes."""
+    targets, expected = refreshed
+    _stale(folder)
+    real_move, renamed = file_transaction._move, []
+
+    def move(source, target):
+        if _is_rename_into_place(source):
+            renamed.append(target.name)
+            if len(renamed) == k + 1:
+                raise PermissionError(1, "Operation not permitted")
+        real_move(source, target)
+
+    monkeypatch.setattr(file_transaction, "_move", move)
+    assert_refused(folder, capsys, f"cannot replace {folder / targets[k]}:", "Operation not permitted",
+                   "every file was put back")
+    assert renamed == targets[: k + 1]
+    monkeypatch.undo()
+    assert convert_main(["--refresh-code", str(folder)]) == 0
+    assert snapshot(folder) == expected
+
+
+def _chattr(path: Path, flag: str) -> bool:
+    return shutil.which("chattr") is not None and subprocess.run(["chattr", flag, str(path)]).returncode == 0
+
+
+@pytest.mark.parametrize("position", range(13))
+def test_an_immutable_target_at_any_position_leaves_the_folder_as_it_was(folder, capsys, position, refreshed):
+    """The issue's case, not simulated: a target that cannot be replaced (`chattr +i`), first, last or between."""
+    targets, expected = refreshed
+    _stale(folder, drop=None)
+    target = folder / targets[position]
+    if not _chattr(target, "+i"):
+        pytest.skip("needs chattr +i (root, on a file system with file attributes)")
+    try:
+        assert_refused(folder, capsys, f"cannot replace {target}:", "every file was put back")
+    finally:
+        assert _chattr(target, "-i")
+    (folder / "loading.py").unlink()
+    assert convert_main(["--refresh-code", str(folder)]) == 0
+    assert snapshot(folder) == expected
+
+
+#: Where the forked run is killed: while staging the 3rd file, keeping the 2nd original, before the (k+1)-th rename
+#: into place (k = 0..12), and while removing the kept originals after the last rename.
+KILL_POINTS = [("stage", 2), ("keep", 1), *(("rename", k) for k in range(13)), ("cleanup", 0)]
+
+
+def _killed_run(folder: Path, where: str, k: int) -> int:
+    """Refresh `folder` in a forked child that SIGKILLs itself (no cleanup runs) at `where`, the (k+1)-th time."""
+    pid = os.fork()
+    if pid:
+        return os.waitpid(pid, 0)[1]
+    try:  # the child never returns to pytest
+        calls = []
+
+        def kill_at(point: str, wrapped):
+            def call(*args):
+                if point == where:
+                    calls.append(args)
+                    if len(calls) == k + 1:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                return wrapped(*args)
+            return call
+
+        move, stage, keep, unlink = (file_transaction._move, file_transaction._stage, file_transaction._keep,
+                                     Path.unlink)
+        file_transaction._move = lambda source, target: (
+            kill_at("rename", move) if _is_rename_into_place(source) else move)(source, target)
+        file_transaction._stage = kill_at("stage", stage)
+        file_transaction._keep = kill_at("keep", keep)
+        Path.unlink = lambda path, **kw: (
+            kill_at("cleanup", unlink) if path.name.endswith(".orig.tmp") else unlink)(path, **kw)
+        refresh_code.refresh_remote_code(folder)
+    finally:
+        os._exit(3)
+
+
+@pytest.mark.parametrize(("where", "k"), KILL_POINTS)
+def test_a_rerun_after_a_kill_puts_originals_back_removes_its_files_and_completes(folder, where, k, refreshed):
+    targets, expected = refreshed
+    _stale(folder)
+    before = snapshot(folder)
+    status = _killed_run(folder, where, k)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
+    hidden = {name for name in os.listdir(folder) if name.startswith(".")}
+    assert file_transaction.JOURNAL_NAME in hidden and len(hidden) > 1, hidden  # the dead run's files are there
+    changed = {name for name, entry in snapshot(folder).items() if before.get(name) != entry} - hidden
+    assert changed == set(targets[: k if where == "rename" else len(targets) if where == "cleanup" else 0])
+    with pytest.warns(UserWarning, match="interrupted --refresh-code"):
+        assert convert_main(["--refresh-code", str(folder)]) == 0
+    assert snapshot(folder) == expected
+
+
+def test_a_run_while_another_holds_the_folder_is_refused(folder, capsys):
+    """Two runs at once: the second one stops with a message (it must not take the first one's files for a dead
+    run's), and the folder is left to the first."""
+    import fcntl
+
+    journal = folder / file_transaction.JOURNAL_NAME
+    with open(journal, "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        before = snapshot(folder)
+        capsys.readouterr()
+        assert convert_main(["--refresh-code", str(folder)]) == 2
+        assert "another --refresh-code is running" in capsys.readouterr().err
+        assert snapshot(folder) == before
+    journal.unlink()
+    assert convert_main(["--refresh-code", str(folder)]) == 0
+    assert not [name for name in os.listdir(folder) if name.startswith(".")]
 
 
 @pytest.mark.parametrize("argv", [("--variant", "svformer"), ("--overwrite",), ("--dtype", "bfloat16"),

@@ -4,7 +4,8 @@ Each server runs in its own process on 127.0.0.1 and is stopped by the test modu
 greedy text is compared with `generate()` in this process on the same folder (text and token count), for
 /v1/completions and /v1/chat/completions, streaming and not, for 8 concurrent requests, with and without
 `--continuous-batching`; a Llama folder of the same shape served the same way is the control. Bad requests get a 4xx
-with a message, and the next request is served.
+with a message, and the next request is served; token-id prompts and `n` > 1 are served as OpenAI's API defines them;
+a 5 MB prompt does not stall the server; a dead continuous-batching worker stops it with status 1.
 """
 
 from __future__ import annotations
@@ -79,14 +80,18 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 class Server:
     """`resformer-serve FOLDER --host 127.0.0.1 --port P ...` in a child process, stopped on `close()`."""
 
-    def __init__(self, folder: Path, log: Path, *flags: str) -> None:
+    def __init__(self, folder: Path, log: Path, *flags: str, prelude: str = "") -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.log = log
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        command = [sys.executable, "-m", "resformer_hf.cli.serve", str(folder), "--host", "127.0.0.1",
-                   "--port", str(self.port), "--device", "cpu", "--dtype", "float32", *flags]
+        arguments = [str(folder), "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu", "--dtype",
+                     "float32", *flags]
+        command = [sys.executable, "-m", "resformer_hf.cli.serve", *arguments]
+        if prelude:  # code run before the command, in the server's process (fault injection)
+            command = [sys.executable, "-c", f"{prelude}\nimport sys\nfrom resformer_hf.cli.serve import main\n"
+                       f"sys.exit(main({arguments!r}))"]
         with open(log, "wb") as out:
             self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -106,8 +111,11 @@ class Server:
         return self.log.read_text(errors="replace")[-3000:]
 
     def get(self, path: str) -> tuple[int, bytes]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as response:
-            return response.status, response.read()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
 
     def post(self, path: str, body: dict | bytes) -> tuple[int, bytes]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -119,7 +127,7 @@ class Server:
         except urllib.error.HTTPError as error:
             return error.code, error.read()
 
-    def complete(self, prompt: str, stream: bool = False) -> tuple[str, int]:
+    def complete(self, prompt: str | list[int], stream: bool = False) -> tuple[str, int]:
         """(text, completion tokens) of a greedy /v1/completions request."""
         return self._text("/v1/completions", {"prompt": prompt}, stream)
 
@@ -127,16 +135,30 @@ class Server:
         return self._text("/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}, stream)
 
     def _text(self, path: str, body: dict, stream: bool) -> tuple[str, int]:
+        (text, tokens), = self.choices(path, body, stream)[0]
+        return text, tokens
+
+    def choices(self, path: str, body: dict, stream: bool) -> tuple[list[tuple[str, int]], dict]:
+        """Every choice of a greedy request as (text, completion tokens) in index order, and the usage."""
         status, raw = self.post(path, {**body, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream})
         assert status == 200, (status, raw, self.log_tail())
         chunks = [json.loads(line[6:]) for line in raw.decode().splitlines()
                   if line.startswith("data: ") and line != "data: [DONE]"] if stream else [json.loads(raw)]
         assert not any("error" in chunk for chunk in chunks), chunks
+        assert len({chunk["id"] for chunk in chunks}) == 1, chunks  # one request, one id
         key = "text" if path == "/v1/completions" else ("delta" if stream else "message")
-        pieces = [choice[key] if key == "text" else (choice.get(key) or {}).get("content") or ""
-                  for chunk in chunks for choice in chunk.get("choices", [])]
-        usage = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
-        return "".join(pieces), usage[-1]["completion_tokens"]
+        pieces: dict[int, list[str]] = {}
+        for chunk in chunks:
+            for choice in chunk.get("choices", []):
+                piece = choice[key] if key == "text" else (choice.get(key) or {}).get("content") or ""
+                pieces.setdefault(choice["index"], []).append(piece)
+        usages = [chunk["usage"] for chunk in chunks if chunk.get("usage")]
+        assert sorted(pieces) == list(range(len(pieces))), sorted(pieces)
+        if len(pieces) == 1:
+            return [("".join(pieces[0]), usages[-1]["completion_tokens"])], usages[-1]
+        # several choices: the usage is the request's (one final chunk when streaming), tokens per choice unknown
+        assert len(usages) == 1, usages
+        return [("".join(pieces[index]), None) for index in sorted(pieces)], usages[0]
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -166,8 +188,9 @@ class Reference:
         pieces = [decoder.step(self.tokenizer.backend_tokenizer, token) for token in new]
         return "".join(piece for piece in pieces if piece is not None), len(new)
 
-    def complete(self, prompt: str, stream: bool = False) -> tuple[str, int]:
-        return self._generate(self.tokenizer(prompt)["input_ids"], stream)
+    def complete(self, prompt: str | list[int], stream: bool = False) -> tuple[str, int]:
+        ids = prompt if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
+        return self._generate(ids, stream)
 
     def chat(self, content: str, stream: bool = False) -> tuple[str, int]:
         ids = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
@@ -230,21 +253,159 @@ def test_concurrent_requests_equal_generate(fixture, request):
         assert server.chat(PROMPTS[2], stream=True) == reference.chat(PROMPTS[2], stream=True)
 
 
-@pytest.mark.parametrize("fixture", ["plain", "batched"])
+#: Requests the model cannot run or the server would misread: (endpoint, body, words of the 400's message).
+BAD_REQUESTS = {
+    "empty prompt (0 tokens: this tokenizer adds no BOS)": ("/v1/completions", {"prompt": ""}, "0 tokens"),
+    "no prompt": ("/v1/completions", {"max_tokens": 4}, "prompt is required"),
+    "negative temperature": ("/v1/completions", {"prompt": "It", "temperature": -1}, "temperature must be"),
+    "temperature above 2": ("/v1/completions", {"prompt": "It", "temperature": 2.5}, "temperature must be"),
+    "temperature not a number": ("/v1/completions", {"prompt": "It", "temperature": "hot"}, "temperature must be"),
+    "top_p 0": ("/v1/completions", {"prompt": "It", "top_p": 0}, "top_p must be"),
+    "top_p above 1": ("/v1/completions", {"prompt": "It", "top_p": 1.5}, "top_p must be"),
+    "n 0": ("/v1/completions", {"prompt": "It", "n": 0}, "n must be a positive integer"),
+    "n not an integer": ("/v1/completions", {"prompt": "It", "n": 1.5}, "n must be a positive integer"),
+    "empty token-id prompt": ("/v1/completions", {"prompt": [[]]}, "token-id prompt is empty"),
+    "token id beyond the vocabulary": ("/v1/completions", {"prompt": [10**6]}, "outside the model's vocabulary"),
+    "prompts of mixed kinds": ("/v1/completions", {"prompt": ["It", [5]]}, "not a mixture"),
+    "chat without messages": ("/v1/chat/completions", {"max_tokens": 4}, "messages is required"),
+    "chat with top_p 0": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "top_p": 0},
+                          "top_p must be"),
+    "chat with n 0": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 0},
+                      "n must be a positive integer"),
+}
+
+
+@pytest.mark.parametrize("fixture", ["plain", "batched", "control"])
 def test_bad_requests_get_a_4xx_with_a_message_and_the_next_is_served(fixture, request):
+    """Each bad request gets a 4xx with a message, and the server (its continuous-batching worker too) serves the
+    next request with `generate()`'s tokens."""
     server, reference = request.getfixturevalue(fixture)
     too_long = " ".join(["the quick brown fox"] * 100)
     bad = {
-        "malformed JSON": (b'{"prompt": "It", "max_tokens": ', 422, "JSON decode error"),
-        "prompt beyond the context": ({"prompt": too_long, "max_tokens": 4}, 400, "context is 128 tokens"),
-        "negative max_tokens": ({"prompt": "It", "max_tokens": -1}, 400, "max_tokens must be a positive integer"),
-        "prompt + max_tokens beyond the context": ({"prompt": "It", "max_tokens": 500}, 400, "lower max_tokens"),
+        "malformed JSON": ("/v1/completions", b'{"prompt": "It", "max_tokens": ', "JSON decode error", 422),
+        "prompt beyond the context": ("/v1/completions", {"prompt": too_long, "max_tokens": 4},
+                                      "context is 128 tokens", 400),
+        "negative max_tokens": ("/v1/completions", {"prompt": "It", "max_tokens": -1},
+                                "max_tokens must be a positive integer", 400),
+        "prompt + max_tokens beyond the context": ("/v1/completions", {"prompt": "It", "max_tokens": 500},
+                                                   "lower max_tokens", 400),
+        "chat beyond the context": ("/v1/chat/completions", {"messages": [{"role": "user", "content": too_long}]},
+                                    "shorten the prompt", 400),
+        **{what: (*case, 400) for what, case in BAD_REQUESTS.items()},
     }
     expected = reference.complete(PROMPTS[1])
-    for what, (body, status, message) in bad.items():
-        got_status, raw = server.post("/v1/completions", body)
+    for what, (path, body, message, status) in bad.items():
+        got_status, raw = server.post(path, body)
         assert (got_status, message in raw.decode()) == (status, True), (what, got_status, raw)
         assert server.complete(PROMPTS[1]) == expected, what
-    got_status, raw = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": too_long}]})
-    assert got_status == 400 and "shorten the prompt" in raw.decode(), raw
     assert server.get("/health")[0] == 200
+
+
+@pytest.mark.parametrize("fixture", ["plain", "batched", "control"])
+def test_token_id_prompts_are_served_as_openai_defines(fixture, request):
+    """`prompt` as token ids (one list) and as several token-id lists (one choice each, in order): `generate()`'s
+    tokens on those ids, streaming and not; the usage counts every prompt's tokens and every generated token."""
+    server, reference = request.getfixturevalue(fixture)
+    ids = [reference.tokenizer(prompt)["input_ids"] for prompt in PROMPTS[1:3]]
+    assert server.complete(ids[0]) == reference.complete(ids[0])
+    assert server.complete(ids[0], stream=True) == reference.complete(ids[0], stream=True)
+    for stream in (False, True):
+        expected = [reference.complete(prompt, stream) for prompt in ids]
+        got, usage = server.choices("/v1/completions", {"prompt": ids}, stream)
+        assert [text for text, _ in got] == [text for text, _ in expected], stream
+        generated = sum(tokens for _, tokens in expected)
+        assert usage == {"prompt_tokens": sum(map(len, ids)), "completion_tokens": generated,
+                         "total_tokens": sum(map(len, ids)) + generated}, usage
+
+
+@pytest.mark.parametrize("fixture", ["plain", "batched", "control"])
+def test_n_choices_are_all_generated(fixture, request):
+    """`n` > 1 gets n choices (greedy here, so n equal ones), for a prompt, for a list of prompts (choice i·n + j is
+    prompt i's j-th) and for a chat, streaming and not; the usage counts each prompt once."""
+    server, reference = request.getfixturevalue(fixture)
+    text, tokens = reference.complete(PROMPTS[1])
+    prompt_tokens = len(reference.tokenizer(PROMPTS[1])["input_ids"])
+    got, usage = server.choices("/v1/completions", {"prompt": PROMPTS[1], "n": 3}, stream=False)
+    assert got == [(text, None)] * 3
+    assert usage == {"prompt_tokens": prompt_tokens, "completion_tokens": 3 * tokens,
+                     "total_tokens": prompt_tokens + 3 * tokens}
+    got, _ = server.choices("/v1/completions", {"prompt": list(PROMPTS[1:3]), "n": 2}, stream=True)
+    assert [text for text, _ in got] == [reference.complete(prompt, stream=True)[0]
+                                         for prompt in PROMPTS[1:3] for _ in range(2)]
+    got, _ = server.choices("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}],
+                                                     "n": 2}, stream=False)
+    assert got == [(reference.chat(PROMPTS[1])[0], None)] * 2
+
+
+@pytest.mark.parametrize("fixture", ["plain", "batched"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_5_mb_prompt_is_refused_without_stalling_the_server(fixture, path, request):
+    """The request checks run off the event loop and tokenize only as much of a huge prompt as they need: /health,
+    asked again and again while a 5 MB prompt is checked, answers every time within 0.5 s (a check that tokenized
+    all of it on the event loop stalled it for 10 s)."""
+    server, _ = request.getfixturevalue(fixture)
+    text = ("the quick brown fox jumps over the lazy dog " * 120_000)[:5_000_000]
+    body = {"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]}
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(server.post, path, {**body, "max_tokens": 4})
+        waits = []
+        while not answer.done() or not waits:
+            start = time.monotonic()
+            assert server.get("/health")[0] == 200
+            waits.append(time.monotonic() - start)
+        status, raw = answer.result()
+    assert status == 400 and "context is 128 tokens" in raw.decode(), (status, raw[:300])
+    assert max(waits) < 0.5, waits
+
+
+#: Run in the server's process before the command: the model's forward fails on a prompt of 5 × SENTINEL, so the
+#: continuous-batching worker dies as on a crash the request checks cannot foresee (a Llama's worker too).
+SENTINEL = 7
+FAIL_ON_SENTINEL = f"""
+from transformers.models.llama.modeling_llama import LlamaModel
+from resformer_hf.modeling_resformer import ResFormerModel
+
+def failing(forward):
+    def wrapped(self, input_ids=None, *args, **kwargs):
+        if input_ids is not None and int((input_ids == {SENTINEL}).sum()) >= 5:
+            raise RuntimeError("injected failure in the model's forward")
+        return forward(self, input_ids, *args, **kwargs)
+    return wrapped
+
+for model_class in (LlamaModel, ResFormerModel):
+    model_class.forward = failing(model_class.forward)
+"""
+
+
+@pytest.mark.parametrize("name", ["svformer", "llama"])
+def test_a_dead_batching_worker_stops_the_server_with_status_1(folders, tmp_path, name):
+    """Instead of answering 503 to every request from then on: /health says so, and the process exits with status
+    1 and a one-line error, so that a supervisor restarts it."""
+    server = Server(folders[name], tmp_path / "dying.log", *CB_FLAGS, prelude=FAIL_ON_SENTINEL)
+    try:
+        assert server.complete(PROMPTS[1])[1] == MAX_TOKENS
+        status, raw = server.post("/v1/completions", {"prompt": [SENTINEL] * 5, "max_tokens": 2})
+        # 503 "CB worker died", or 500 when the server sees the failed request before the worker's death (its race)
+        assert status in (500, 503), (status, raw)
+        try:
+            health = server.get("/health")[0]
+        except OSError:  # the server is gone already
+            health = None
+        assert health in (503, None), health
+        assert server.process.wait(timeout=60) == 1, server.log_tail()
+        assert "resformer-serve: error: the continuous-batching worker died" in server.log_tail()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("name", ["svformer", "llama"])
+def test_sigterm_stops_a_batching_server(folders, tmp_path, name):
+    """After serving with continuous batching, SIGTERM ends the process (status 143) without a SIGKILL: transformers'
+    server leaves its batching thread, not a daemon, running after it stops, and the process with it."""
+    server = Server(folders[name], tmp_path / "stopping.log", *CB_FLAGS)
+    try:
+        assert server.complete(PROMPTS[1])[1] == MAX_TOKENS
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 143, server.log_tail()
+    finally:
+        server.close()

@@ -51,6 +51,9 @@ MAX_TOKENS = 16
 PROMPT_TEXTS = ("It", "The quick brown fox", "Once upon a time there was a little girl who lived in a village near")
 SERVED = ("learnable_plus", "svformer")
 OTHER_VARIANTS = tuple(variant for variant in VARIANTS if variant not in SERVED)
+#: Cross-layer attention alone and with SVFormer (folder name: config fields).
+CLA = {"cla2": dict(value_residual="none", cross_layer_attention=2),
+       "svformer_cla2": dict(value_residual="svformer", cross_layer_attention=2)}
 
 
 def _shape(tokenizer) -> dict:
@@ -83,6 +86,10 @@ def served(tmp_path_factory):
         torch.manual_seed(1 + index)
         model = model_with_random_lambdas(ResFormerConfig(**shape, value_residual=variant))
         folders[variant] = save_for_hub(model, root / variant, tokenizer=tokenizer)
+    for index, (name, fields) in enumerate(CLA.items()):
+        torch.manual_seed(100 + index)
+        model = model_with_random_lambdas(ResFormerConfig(**shape, **fields))
+        folders[name] = save_for_hub(model, root / name, tokenizer=tokenizer)
     references = {name: greedy(folder, prompts, tokenizer.pad_token_id) for name, folder in folders.items()}
     return dict(root=root, folders=folders, prompts=prompts, texts=texts, references=references, tokenizer=tokenizer)
 
@@ -172,12 +179,47 @@ def test_offline_with_plugin(served, tmp_path):
     assert 2 * layers / (layers + 1) * 0.99 < tokens["svformer"] / tokens["llama"] <= 2 * layers / (layers + 1)
 
 
+def test_offline_cross_layer_attention_with_plugin(served, tmp_path):
+    """With the plugin, CLA2's consumer layers share their producer's KV cache through vLLM's own cross-layer KV
+    sharing: half the Llama control's bytes per token, and with SVFormer the producers' keys plus one value store,
+    (L/2 + 1)/(2L) of it; `generate()`'s greedy tokens in both."""
+    names = ("llama", *CLA)
+    job = engine_job(served, names, import_plugin=True)
+    for run in job["runs"]:
+        run["engine_args"] = dict(model_impl="transformers" if run["name"] == "llama" else "auto")
+    results = run_engine(job, tmp_path, hide_plugin=False)
+    assert_same_tokens(served, results, names)
+    layers, kv_heads = TINY["num_hidden_layers"], TINY["num_key_value_heads"]
+    for name in CLA:
+        probe = results[name]["probe"]
+        assert probe["served_class"] == "resformer_hf.vllm_plugin.model.ResFormerForCausalLM", probe
+        attention = probe["attention_layers"]
+        targets = [layer["kv_sharing_target"] for layer in attention]
+        assert targets == [None, attention[0]["layer_name"], None, attention[2]["layer_name"]], targets
+    assert {layer["attention_class"] for layer in results["svformer_cla2"]["probe"]["attention_layers"]} == {
+        "SharedValuesAttention"}
+    # Bytes per token (float32, head size 32): the Llama 2 · L pages, CLA2 L, SVFormer × CLA2 L/2 + 1 half-pages
+    half_page = kv_heads * 32 * 4
+    per_token = dict(llama=2 * layers * half_page, cla2=layers * half_page,
+                     svformer_cla2=(layers // 2 + 1) * half_page)
+    assert per_token == dict(llama=2048, cla2=1024, svformer_cla2=768)
+    blocks = {name: results[name]["num_blocks"] for name in names}
+    expected = {name: results[name]["kv_cache_bytes"] // (results[name]["block_size"] * per_token[name])
+                for name in names}
+    assert blocks == expected, (blocks, expected)
+    tokens = {name: blocks[name] * results[name]["block_size"] for name in names}
+    assert 0.99 * 2 < tokens["cla2"] / tokens["llama"] <= 2
+    assert 0.99 * 2 * layers / (layers / 2 + 1) < tokens["svformer_cla2"] / tokens["llama"] <= 2 * layers / (
+        layers / 2 + 1)
+
+
 def test_offline_from_remote_code_alone(served, tmp_path):
-    """learnable_plus and SVFormer serve with `generate()`'s greedy tokens when no process vLLM starts can import
-    the plugin: the folder's remote code alone."""
-    results = run_engine(engine_job(served, SERVED, import_plugin=False), tmp_path, hide_plugin=True)
-    assert_same_tokens(served, results, SERVED)
-    for name in SERVED:
+    """learnable_plus, SVFormer, CLA2 and SVFormer × CLA2 serve with `generate()`'s greedy tokens when no process
+    vLLM starts can import the plugin: the folder's remote code alone."""
+    names = (*SERVED, *CLA)
+    results = run_engine(engine_job(served, names, import_plugin=False), tmp_path, hide_plugin=True)
+    assert_same_tokens(served, results, names)
+    for name in names:
         probe = results[name]["probe"]
         assert not probe["plugin_importable"] and not probe["plugin_imported"], probe
         assert probe["model_class"].startswith("transformers_modules."), probe

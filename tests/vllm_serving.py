@@ -123,7 +123,9 @@ def probe_model(model) -> dict:
         attention_layers=[
             dict(num_kv_heads=attn.attn.num_kv_heads, head_size=attn.attn.head_size, has_v_proj=hasattr(attn, "v_proj")
                  and attn.v_proj is not None, attention_class=type(attn.attn).__name__,
-                 value_store=getattr(attn.attn, "value_store_name", None))
+                 value_store=getattr(attn.attn, "value_store_name", None),
+                 layer_name=attn.attn.layer_name,
+                 kv_sharing_target=getattr(attn.attn, "kv_sharing_target_layer_name", None))
             for attn in layers
         ],
     )

@@ -1,5 +1,6 @@
-"""SVFormer in transformers' continuous batching: KV bytes per cached token and tokens per memory budget, next to a
-same-size HF `LlamaForCausalLM`, and greedy equality of `generate_batch` with `generate()`.
+"""SVFormer and cross-layer attention (CLA2, SVFormer × CLA2) in transformers' continuous batching: KV bytes per
+cached token and tokens per memory budget, next to a same-size HF `LlamaForCausalLM`, and greedy equality of
+`generate_batch` with `generate()`.
 
     python -m benchmarks.serving.bench_continuous_batching  # CPU, a few minutes; writes results/continuous_batching.md
 
@@ -24,12 +25,19 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 
 import resformer_hf
-from resformer_hf.paged_cache import FirstLayerValuesAllocator
+from resformer_hf.paged_cache import StoredKeysValuesAllocator
 
 from benchmarks import common
 from benchmarks.common import BASELINE, RESULTS_DIR, add_device_args, build_model, setup_device
 
-VARIANTS = (BASELINE, "svformer")
+#: name: (value_residual, extra config fields, share of the Llama's bytes per token as a function of L)
+MODELS = {
+    BASELINE: (BASELINE, {}, lambda layers: 1.0),
+    "svformer": ("svformer", {}, lambda layers: (layers + 1) / (2 * layers)),
+    "cla2": ("none", {"cross_layer_attention": 2}, lambda layers: 0.5),
+    "svformer_cla2": ("svformer", {"cross_layer_attention": 2}, lambda layers: (layers / 2 + 1) / (2 * layers)),
+}
+GOALS = {BASELINE: "1", "svformer": "(L+1)/(2L)", "cla2": "1/2", "svformer_cla2": "(L/2+1)/(2L)"}
 PROMPT_LENGTHS = (5, 23, 61, 12)
 
 
@@ -38,7 +46,7 @@ def stock_allocator():
     """transformers' own full-attention allocator in the engine's registry (what the plugin replaces)."""
     saved = dict(paged_cache_module.ATTN_TYPE_TO_ALLOCATOR)
     for key, allocator in saved.items():
-        if allocator is FirstLayerValuesAllocator:
+        if allocator is StoredKeysValuesAllocator:
             paged_cache_module.ATTN_TYPE_TO_ALLOCATOR[key] = FullAttentionCacheAllocator
     try:
         yield
@@ -92,41 +100,42 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     budget = int(args.budget_mib * 2**20)
-    rows, measured = [], {}
-    for variant in VARIANTS:
+    rows = []
+    llama = None
+    for name, (variant, fields, share) in MODELS.items():
         torch.manual_seed(args.seed)
-        model = build_model(variant, device, **size).eval()
+        model = build_model(variant, device, **size, **fields).eval()
         paged = paged_bytes_per_token(model.config, args.num_blocks, torch.float32, device)
         with stock_allocator():
             stock = paged_bytes_per_token(model.config, args.num_blocks, torch.float32, device)
         dense = generate_bytes_per_token(model, prompts[2], args.new_tokens)
-        measured[variant] = (paged, dense, stock)
-        rows.append([variant, f"{dense:,.0f}", f"{paged:,.0f}", f"{stock:,.0f}", f"{budget // dense:,.0f}",
-                     f"{budget // paged:,.0f}", f"{budget // stock:,.0f}",
+        llama = llama or (dense, paged, stock)
+        goal = share(args.layers)
+        rows.append([name, f"{dense:,.0f}", f"{paged:,.0f}", f"{stock:,.0f}",
+                     f"{GOALS[name]} = {goal:.4f}", f"{dense / llama[0]:.4f}", f"{paged / llama[1]:.4f}",
+                     f"{stock / llama[2]:.4f}", f"{budget // paged:,.0f}", f"{llama[1] / paged:.3f}x",
                      greedy_equal(model, prompts, args.new_tokens)])
-    (llama_paged, llama_dense, llama_stock), (sv_paged, sv_dense, sv_stock) = measured[BASELINE], measured["svformer"]
-    target = (args.layers + 1) / (2 * args.layers)
     mib = f"{args.budget_mib:g} MiB"
     header = ["model", "KV B/token: generate()", "paged, with the plugin", "paged, stock allocator",
-              f"tokens in {mib}: generate()", "paged, with the plugin", "paged, stock allocator",
+              "goal: / Llama", "generate() / Llama", "paged (plugin) / Llama", "paged (stock) / Llama",
+              f"tokens in {mib}, paged (plugin)", "tokens / Llama's",
               "generate_batch == generate() (greedy, with the plugin)"]
     text = "\n".join([
-        "# SVFormer in continuous batching",
+        "# SVFormer and cross-layer attention in continuous batching",
         "",
         f"`python -m benchmarks.serving.bench_continuous_batching` — {args.layers} layers, hidden {args.hidden}, "
         f"{args.heads} heads / {args.kv_heads} kv heads, float32. {common.environment_line(device)}",
         "",
         common.markdown_table(header, rows),
         "",
-        f"SVFormer / Llama bytes per cached token: generate() {sv_dense / llama_dense:.4f} "
-        f"((L+1)/(2L) = {target:.4f}); paged cache with the plugin {sv_paged / llama_paged:.4f}, with transformers' "
-        f"stock allocator {sv_stock / llama_stock:.4f}. Tokens in one budget, SVFormer / Llama: generate() "
-        f"{llama_dense / sv_dense:.3f}x (2L/(L+1) = {1 / target:.3f}x), paged cache with the plugin "
-        f"{llama_paged / sv_paged:.3f}x, stock {llama_stock / sv_stock:.3f}x.",
-        "",
-        "transformers' stock allocator (`FullAttentionCacheAllocator`) gives every layer its own key and value pages, "
-        "so SVFormer's layers n >= 1 would store copies of layer 0's values; `import resformer_hf` replaces it with "
-        "`resformer_hf.paged_cache.FirstLayerValuesAllocator` (values once for SVFormer, the stock layout otherwise).",
+        "Bytes per cached token are exact (the paged cache's data bytes over the tokens its blocks hold; "
+        "`cache_nbytes` of `generate()`'s cache over its tokens); they do not depend on load. transformers' stock "
+        "allocator (`FullAttentionCacheAllocator`) gives every layer its own key and value pages, so SVFormer's "
+        "layers n >= 1 would store copies of layer 0's values and cross-layer attention's consumers pages they "
+        "never need; "
+        "`import resformer_hf` replaces it with `resformer_hf.paged_cache.StoredKeysValuesAllocator`, which gives "
+        "pages only to the layers that store keys or values (the stock layout for any other model). The engine "
+        "sizes a cache of `num_blocks` in Llama-sized blocks, so one budget holds the inverse ratio of tokens.",
         "",
     ])
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

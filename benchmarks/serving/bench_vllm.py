@@ -1,8 +1,10 @@
-"""vLLM decode throughput and KV cache: learnable_plus and SVFormer vs a Llama of the same size, in the same run.
+"""vLLM decode throughput and KV cache: learnable_plus, SVFormer, CLA2 and SVFormer × CLA2 vs a Llama of the same
+size, in the same run.
 
 The Llamas serve with vLLM's Transformers modeling backend (`model_impl="transformers"`); the ResFormers with this
 plugin's vLLM model (`resformer_hf.vllm_plugin`, picked by vLLM's default `model_impl="auto"`), which is the same
-backend and stores an SVFormer's values once (keys per layer, layer 0's values in one store).
+backend, stores an SVFormer's values once (keys per layer, layer 0's values in one store) and gives cross-layer
+attention's consumer layers their producer's cache (vLLM's own cross-layer KV sharing).
 
 Needs vLLM (docs/serving.md); run it in that virtualenv from the repository root:
 
@@ -16,8 +18,10 @@ Decode throughput = generated tokens / wall time of the `generate()` call (promp
 Also records the KV cache vLLM allocates per token for each model (cache bytes given / cache tokens it holds) and
 how many tokens that cache holds.
 
-Writes benchmarks/results/vllm.md. Engines are created under `if __name__ == "__main__"` (vLLM may start processes
-with `spawn`, which re-imports this file), and the top level imports nothing heavy.
+`--kv-only` loads the engines and records the KV cache only (exact, minutes instead of hours on a shared CPU), into
+benchmarks/results/vllm_kv_cache.md by default. Otherwise writes benchmarks/results/vllm.md. Engines are created
+under `if __name__ == "__main__"` (vLLM may start processes with `spawn`, which re-imports this file), and the top
+level imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -30,7 +34,16 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "vllm.md"
-MODELS = ("llama", "learnable_plus", "svformer", "llama_2")
+KV_RESULTS = Path(__file__).resolve().parents[1] / "results" / "vllm_kv_cache.md"
+MODELS = ("llama", "learnable_plus", "svformer", "cla2", "svformer_cla2", "llama_2")
+#: ResFormer models: config fields, and their ideal KV bytes per token over a Llama's as a function of L.
+RESFORMERS = {
+    "learnable_plus": (dict(value_residual="learnable_plus"), "1", lambda layers: 1.0),
+    "svformer": (dict(value_residual="svformer"), "(L+1)/(2L)", lambda layers: (layers + 1) / (2 * layers)),
+    "cla2": (dict(value_residual="none", cross_layer_attention=2), "1/2", lambda layers: 0.5),
+    "svformer_cla2": (dict(value_residual="svformer", cross_layer_attention=2), "(L/2+1)/(2L)",
+                      lambda layers: (layers / 2 + 1) / (2 * layers)),
+}
 
 
 def build_folders(root: Path, size: dict) -> dict[str, Path]:
@@ -53,13 +66,13 @@ def build_folders(root: Path, size: dict) -> dict[str, Path]:
         folders[name] = root / name
         model.save_pretrained(folders[name])
         tokenizer.save_pretrained(folders[name])
-    for variant in ("learnable_plus", "svformer"):
+    for name, (fields, _, _) in RESFORMERS.items():
         torch.manual_seed(0)
-        model = ResFormerForCausalLM(ResFormerConfig(**shape, value_residual=variant)).eval()
+        model = ResFormerForCausalLM(ResFormerConfig(**shape, **fields)).eval()
         with torch.no_grad():
             for parameter in model.model.value_residual.parameters():
                 parameter.uniform_(-0.4, 0.4)
-        folders[variant] = save_for_hub(model, root / variant, tokenizer=tokenizer)
+        folders[name] = save_for_hub(model, root / name, tokenizer=tokenizer)
     return folders
 
 
@@ -75,8 +88,12 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=8, help="timed rounds per batch size (plus one discarded)")
     parser.add_argument("--kv-cache-mib", type=int, default=256)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--kv-only", action="store_true",
+                        help="load the engines and record the KV cache only (no timing); writes vllm_kv_cache.md")
+    parser.add_argument("--output", type=Path, default=None, help="default: results/vllm.md (vllm_kv_cache.md "
+                        "with --kv-only)")
     args = parser.parse_args(argv)
+    args.output = args.output or (KV_RESULTS if args.kv_only else RESULTS)
 
     import os
     import platform
@@ -116,6 +133,13 @@ def main(argv=None) -> None:
             per_token[name] = kv_bytes / cache_tokens[name]
             print(f"loaded {name} in {load_seconds[name]:.1f} s; KV bytes/token {per_token[name]:.0f}", flush=True)
 
+        if args.kv_only:
+            engines.clear()
+            text = kv_report(args, per_token, cache_tokens, load_seconds, head_dim, size, argv)
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(text)
+            print(text)
+            return
         generator = torch.Generator().manual_seed(0)
         params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
         throughput: dict[tuple[str, int], list[float]] = {}
@@ -176,7 +200,9 @@ def main(argv=None) -> None:
         f"SVFormer in vLLM: {per_token['svformer'] / per_token['llama']:.4f} of Llama's bytes per token, "
         f"{cache_tokens['svformer'] / cache_tokens['llama']:.3f}× the tokens in the same memory; the ideal, "
         f"what transformers' cache keeps, is (L+1)/(2L) = {svformer_ideal:.4f} (2L/(L+1) = {1 / svformer_ideal:.3f}×"
-        " the tokens). Exact: they do not depend on load.",
+        f" the tokens). CLA2: {per_token['cla2'] / per_token['llama']:.4f} (ideal 0.5); SVFormer × CLA2: "
+        f"{per_token['svformer_cla2'] / per_token['llama']:.4f} (ideal (L/2+1)/(2L) = "
+        f"{RESFORMERS['svformer_cla2'][2](args.layers):.4f}). Exact: they do not depend on load.",
         "",
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or 'CPU'} (vLLM CPU backend, "
         f"{torch.get_num_threads()} torch threads in the driver, shared machine), vllm {vllm.__version__}, torch "
@@ -188,6 +214,47 @@ def main(argv=None) -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     print(text)
+
+
+def kv_report(args, per_token: dict, cache_tokens: dict, load_seconds: dict, head_dim: int, size: dict,
+              argv) -> str:
+    """The `--kv-only` table: bytes per cached token and tokens in the cache, each model over the Llama and the
+    ideal ratio."""
+    import platform
+
+    import torch
+    import transformers
+    import vllm
+
+    import resformer_hf
+
+    ideal = {"llama": ("1", 1.0), "llama_2": ("1", 1.0)}
+    ideal.update({name: (formula, share(args.layers)) for name, (_, formula, share) in RESFORMERS.items()})
+    header = ("model", "KV bytes/token", "KV / Llama", "ideal", "cache tokens", "tokens / Llama")
+    rows = [(name, f"{per_token[name]:.0f}", f"{per_token[name] / per_token['llama']:.4f}",
+             f"{ideal[name][0]} = {ideal[name][1]:.4f}", f"{cache_tokens[name]}",
+             f"{cache_tokens[name] / cache_tokens['llama']:.3f}") for name in MODELS]
+    table = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    table += ["| " + " | ".join(row) + " |" for row in rows]
+    command = "python -m benchmarks.serving.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
+    return "\n".join([
+        "# vLLM KV cache: ResFormer vs Llama",
+        "",
+        f"Model size: hidden {args.hidden_size}, {args.layers} layers, {args.heads} query heads, {args.kv_heads} kv "
+        f"heads, head dim {head_dim}, vocab {size['vocab_size']}, float32; served as in [vllm.md](vllm.md) (the "
+        "ResFormers with this plugin's vLLM model). KV bytes/token: the KV cache vLLM was given "
+        f"({args.kv_cache_mib} MiB) over the tokens it holds in it (cache tokens, whole blocks). Exact: they do not "
+        "depend on load.",
+        "",
+        "\n".join(table),
+        "",
+        f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or 'CPU'} (vLLM CPU backend), vllm "
+        f"{vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, resformer-hf "
+        f"{resformer_hf.__version__}. Engine load times (s): "
+        + ", ".join(f"{n} {s:.0f}" for n, s in load_seconds.items()) + ".",
+        f"Command: `{command.strip()}`",
+        "",
+    ])
 
 
 if __name__ == "__main__":

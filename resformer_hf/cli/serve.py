@@ -3,7 +3,8 @@
 
 Every option is `transformers serve`'s own (parsed by its own command-line definition, so the options are exactly
 those of the installed release); FOLDER is the model it preloads and serves. See `resformer_hf.serving_hf` for the
-two things added: the plugin's classes made loadable by the server, and a 400 for requests it would answer 500.
+things added: the plugin's classes made loadable by the server, request checks (400s), `n` and token-id prompts, and
+an exit with status 1 when the continuous-batching worker dies.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import UserInputError
-from .common import EXIT_OK, EXIT_USAGE, OneLineParser, add_debug_flag, one_line, run_command
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, OneLineParser, add_debug_flag, one_line, run_command
 
 PROG = "resformer-serve"
 
@@ -88,8 +89,12 @@ def _serve(args: argparse.Namespace) -> int:
         if hasattr(error, "format_message"):  # a usage error: unknown option, bad value
             raise UserInputError(f"{one_line(error.format_message())} (see {PROG} FOLDER --help)") from None
         raise
-    with context, checked_requests(source):
+    with context, checked_requests(source) as state:
         command.invoke(context)
+    if state.worker_died is not None:
+        print(f"{PROG}: error: the continuous-batching worker died (its error is in the log above) and the server "
+              "stopped instead of answering 503 to every request; start it again", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     return EXIT_OK
 
 

@@ -1,0 +1,180 @@
+"""What `resformer-serve` checks in an OpenAI-style generation request before `transformers serve` sees it.
+
+`transformers serve` answers some requests it cannot run with a 500 or a crashed continuous-batching worker (no
+prompt, a prompt of 0 tokens), reads others in a way the OpenAI API does not define (a negative temperature served
+greedily, `n` ignored) and refuses token-id prompts that the API allows. Each function here returns the message of a
+400, or the request in the one form the server is then given. Plain functions of the parsed body and a tokenizer, so
+that `serving_hf` runs them off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The endpoints whose bodies are checked, and the fields that bound the number of new tokens there.
+GENERATION_ENDPOINTS = {
+    "/v1/completions": ("max_tokens",),
+    "/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+    "/v1/responses": ("max_output_tokens",),
+}
+#: Endpoints with OpenAI's `n` (choices per prompt).
+CHOICE_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+#: Most choices (prompts × n) one request may ask for: OpenAI's own bound on `n`. Each is one generation.
+MAX_CHOICES = 128
+
+Prompt = str | list[int]
+
+
+@dataclass
+class Plan:
+    """A checked request: the body to send on, and for a completion the prompts it holds (OpenAI allows a string, a
+    list of strings, a list of token ids, or a list of token-id lists) and `n`, the choices per prompt."""
+
+    body: dict
+    prompts: list[Prompt] = field(default_factory=list)
+    n: int = 1
+
+    @property
+    def choices(self) -> int:
+        return max(len(self.prompts), 1) * self.n
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def field_problem(path: str, body: dict) -> str | None:
+    """A token bound that is not a positive integer, or a sampling field outside the range OpenAI's API gives it:
+    temperature in [0, 2], top_p in (0, 1], n a positive integer."""
+    for name in GENERATION_ENDPOINTS[path]:
+        value = body.get(name)
+        if value is not None and (not _is_int(value) or value < 1):
+            return f"{name} must be a positive integer (the number of tokens to generate), got {value!r}"
+    temperature = body.get("temperature")
+    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
+        return f"temperature must be a number from 0 to 2 (0: greedy), got {temperature!r}"
+    top_p = body.get("top_p")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        return f"top_p must be a number greater than 0 and at most 1, got {top_p!r}"
+    n = body.get("n")
+    if path in CHOICE_ENDPOINTS and n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
+        return (f"n must be a positive integer up to {MAX_CHOICES} (the number of choices to generate for each "
+                f"prompt), got {n!r}")
+    return None
+
+
+def completion_prompts(body: dict) -> list[Prompt] | str:
+    """The prompts of a /v1/completions body, or the message of a 400."""
+    if "prompt" not in body or body["prompt"] is None:
+        return "prompt is required: give a string, a list of strings, a list of token ids or a list of such lists"
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and len(prompt) * (body.get("n") or 1) > MAX_CHOICES and not all(
+            _is_int(item) for item in prompt):
+        return (f"{len(prompt)} prompts × n = {body.get('n') or 1} asks for more than {MAX_CHOICES} choices: send "
+                "fewer prompts per request")
+    if not isinstance(prompt, list) or not prompt:
+        return ("prompt must be a string, a list of strings, a list of token ids or a list of such lists, got "
+                f"{json.dumps(prompt)[:100]}")
+    if all(_is_int(item) for item in prompt):
+        return _token_ids_problem(prompt) or [prompt]
+    if all(isinstance(item, str) for item in prompt):
+        return list(prompt)
+    if all(isinstance(item, list) and all(_is_int(token) for token in item) for item in prompt):
+        for ids in prompt:
+            problem = _token_ids_problem(ids)
+            if problem:
+                return problem
+        return [list(ids) for ids in prompt]
+    return ("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists, not a "
+            "mixture")
+
+
+def _token_ids_problem(ids: list[int]) -> str | None:
+    if not ids:
+        return "a token-id prompt is empty: give at least one token id"
+    negative = next((token for token in ids if token < 0), None)
+    if negative is not None:
+        return f"prompt token ids must be non-negative, got {negative}"
+    return None
+
+
+def messages_problem(body: dict) -> str | None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        return "messages is required: a non-empty list of {\"role\": ..., \"content\": ...} objects"
+    return None
+
+
+def count_tokens(tokenizer: Any, text: str, limit: int | None, add_special_tokens: bool = True) -> tuple[int, bool]:
+    """(tokens, exact): `text`'s token count, or for a text far beyond `limit` tokens a lower bound above `limit`,
+    found by tokenizing a prefix cut at a space (a 5 MB prompt is refused in milliseconds instead of tens of
+    seconds). The prefix's tokens are those of the text's start up to the cut word, hence the margin."""
+    if limit is not None:
+        size = 16 * (limit + 16)
+        while size < len(text):
+            cut = text.rfind(" ", size // 2, size)
+            prefix = text[: cut if cut > 0 else size]
+            tokens = len(tokenizer(prefix, add_special_tokens=add_special_tokens)["input_ids"])
+            if tokens > 2 * limit + 16:
+                return tokens, False
+            size *= 4
+    return len(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), True
+
+
+def length_problem(tokens: int, exact: bool, context: int | None, requested: int | None) -> str | None:
+    """A prompt of 0 tokens, one beyond the model's context, or one that leaves no room for the requested tokens."""
+    if tokens == 0:
+        return "the prompt is 0 tokens (an empty prompt, and the tokenizer adds no BOS): give a non-empty prompt"
+    if context is None:
+        return None
+    if not exact or tokens > context:
+        amount = f"{tokens} tokens" if exact else f"more than {context} tokens"
+        return (f"the prompt is {amount} but the model's context is {context} tokens (max_position_embeddings): "
+                "shorten the prompt")
+    if requested is not None and tokens + requested > context:
+        return (f"the prompt ({tokens} tokens) plus max_tokens ({requested}) exceeds the model's context of "
+                f"{context} tokens: lower max_tokens to {context - tokens} or less")
+    return None
+
+
+def out_of_vocabulary(ids: list[int], vocab_size: int | None) -> str | None:
+    if vocab_size is None:
+        return None
+    outside = next((token for token in ids if token >= vocab_size), None)
+    if outside is None:
+        return None
+    return f"prompt token id {outside} is outside the model's vocabulary (ids 0 to {vocab_size - 1})"
+
+
+def text_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI messages with list-of-parts content collapsed to text, as the server does for a text model."""
+    result = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        result.append({**message, "content": content if content is not None else ""})
+    return result
+
+
+__all__ = [
+    "CHOICE_ENDPOINTS",
+    "GENERATION_ENDPOINTS",
+    "MAX_CHOICES",
+    "Plan",
+    "completion_prompts",
+    "count_tokens",
+    "field_problem",
+    "length_problem",
+    "messages_problem",
+    "out_of_vocabulary",
+    "text_messages",
+]

@@ -1,0 +1,159 @@
+"""`resformer-serve`'s request checks and answer merging, without a server (fast; the servers themselves are tested
+in test_serving_hf.py): OpenAI's ranges for the sampling fields, every form of `prompt`, token counts that are exact
+or, for a huge prompt, a bound that is right, and merged answers whose choices, usage and failures are the parts'."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import pytest
+
+from resformer_hf.serving_checks import (
+    MAX_CHOICES,
+    completion_prompts,
+    count_tokens,
+    field_problem,
+    length_problem,
+)
+from resformer_hf.serving_fanout import fan_out, part_bodies
+from resformer_hf.text import sample_text, train_tokenizer
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"temperature": 0}, None), ({"temperature": 2}, None), ({"temperature": 0.7}, None),
+    ({"temperature": -1}, "temperature"), ({"temperature": 2.01}, "temperature"),
+    ({"temperature": True}, "temperature"), ({"temperature": "1"}, "temperature"), ({"top_p": 1}, None),
+    ({"top_p": 0.1}, None), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": -0.5}, "top_p"),
+    ({"n": 1}, None), ({"n": MAX_CHOICES}, None), ({"n": 0}, "n must"), ({"n": 2.0}, "n must"),
+    ({"n": MAX_CHOICES + 1}, "n must"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": None, "temperature": None, "top_p": None, "n": None}, None),
+])
+def test_sampling_fields_follow_openais_ranges(body, words):
+    problem = field_problem("/v1/completions", body)
+    assert (problem is None) if words is None else (words in problem), problem
+
+
+@pytest.mark.parametrize(("prompt", "expected"), [
+    ("It", ["It"]), ("", [""]), (["a", "b"], ["a", "b"]), ([5, 6], [[5, 6]]), ([[5], [6, 7]], [[5], [6, 7]]),
+    (None, "prompt is required"), ([], "prompt must be"), ([[]], "empty"), ([-1], "non-negative"),
+    (["a", [5]], "not a mixture"), ([True], "not a mixture"), ({"text": "x"}, "prompt must be"),
+    ([[5], ["a"]], "not a mixture"), (["x"] * (MAX_CHOICES + 1), "more than"),
+])
+def test_every_form_of_prompt(prompt, expected):
+    got = completion_prompts({} if prompt is None else {"prompt": prompt})
+    assert got == expected if isinstance(expected, list) else expected in got, got
+
+
+def test_zero_tokens_and_the_context_make_a_400():
+    assert "0 tokens" in length_problem(0, True, 128, None)
+    assert "129 tokens" in length_problem(129, True, 128, None)
+    assert "more than 128 tokens" in length_problem(400, False, 128, None)
+    assert "lower max_tokens to 28" in length_problem(100, True, 128, 29)
+    assert length_problem(100, True, 128, 28) is None and length_problem(5, True, None, 10**9) is None
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer([sample_text(100_000)], 512)
+
+
+@pytest.mark.parametrize("limit", [16, 128])
+def test_token_counts_are_exact_or_a_true_bound(tokenizer, limit):
+    """For texts of every length around and far beyond the limit (with and without spaces): an exact count equals
+    the tokenizer's, and a bound is above the limit and at most the text's real count."""
+    corpus = sample_text(400_000)
+    generator = random.Random(0)
+    texts = [corpus[start:start + length] for length in (0, 1, 50, 16 * limit, 40 * limit, 200 * limit, 300_000)
+             for start in (generator.randrange(100_000) for _ in range(3))]
+    texts += ["x" * 100_000, ("ab" * 20 + " ") * 10_000]
+    bounds = 0
+    for text in texts:
+        tokens, exact = count_tokens(tokenizer, text, limit)
+        real = len(tokenizer(text)["input_ids"])
+        if exact:
+            assert tokens == real, (len(text), tokens, real)
+        else:
+            bounds += 1
+            assert limit < tokens <= real, (len(text), tokens, real)
+    assert bounds >= 6  # the long texts took the short path
+
+
+def test_part_bodies_are_one_choice_each():
+    body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 3}
+    assert part_bodies(body, ["a", "b"], 2) == [{"prompt": p, "max_tokens": 3} for p in ("a", "a", "b", "b")]
+    assert part_bodies({"messages": [], "n": 3}, None, 3) == [{"messages": []}] * 3
+
+
+def _echo_app(fail_on: str | None = None):
+    """An ASGI app answering as `transformers serve` does, with the prompt upper-cased (status 503 for `fail_on`)."""
+    async def app(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        headers = dict(scope["headers"])
+        prompt = body["prompt"]
+        if prompt == fail_on:
+            payload = json.dumps({"error": "CB worker is dead"}).encode()
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": 2, "total_tokens": len(prompt) + 2}
+        choice = {"index": 0, "text": prompt.upper(), "finish_reason": "length"}
+        reply = {"id": headers[b"x-request-id"].decode(), "object": "text_completion", "choices": [choice]}
+        if not body.get("stream"):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": json.dumps({**reply, "usage": usage}).encode()})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for piece in prompt.upper():
+            await asyncio.sleep(0)
+            chunk = {**reply, "choices": [{"index": 0, "text": piece}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(),
+                        "more_body": True})
+        last = {**reply, "choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": usage}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(last)}\n\n".encode()})
+    return app
+
+
+def _run(app, prompts: list[str], n: int, stream: bool) -> tuple[int, bytes]:
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"x-request-id", b"r")]}
+    body = {"prompt": prompts, "n": n, "stream": stream}
+    asyncio.run(fan_out(app, scope, receive, send, part_bodies(body, prompts, n), n, stream))
+    return sent[0]["status"], b"".join(message.get("body", b"") for message in sent[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_merged_answers_number_the_choices_and_sum_the_usage(stream):
+    status, raw = _run(_echo_app(), ["ab", "cde"], 2, stream)
+    assert status == 200
+    if stream:
+        chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+        texts: dict[int, str] = {}
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        usage = [chunk["usage"] for chunk in chunks if "usage" in chunk]
+        assert len(usage) == 1 and chunks[-1]["choices"] == []
+        usage = usage[0]
+        ids = {chunk["id"] for chunk in chunks}
+    else:
+        reply = json.loads(raw)
+        texts = {choice["index"]: choice["text"] for choice in reply["choices"]}
+        usage, ids = reply["usage"], {reply["id"]}
+    assert texts == {0: "AB", 1: "AB", 2: "CDE", 3: "CDE"}
+    assert usage == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}  # each prompt once
+    assert ids == {"r"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failing_part_fails_the_request_with_its_status_and_message(stream):
+    status, raw = _run(_echo_app(fail_on="cde"), ["ab", "cde"], 1, stream)
+    assert (status, json.loads(raw)) == (503, {"error": "CB worker is dead"})
