@@ -1,6 +1,6 @@
 """Decoding costs what Llama's does: the no-grad mix, its op budget per decode step, and its exactness.
 
-Without a gradient the value residual mixes on v_proj's output (`value_residual.mix_on_output`) instead of through the
+Without a gradient the value residual mixes on v_proj's output (`value_paths.py`) instead of through the
 fused training functions. Op counts are exact and independent of machine load, so they are asserted here; the time
 they cost is measured only in `benchmarks/cost/bench_decode.py`.
 """
