@@ -71,10 +71,11 @@ def check_key_value_projections(config: ResFormerConfig, missing_keys, unexpecte
 
 
 def modules_kept_in_float32(config: ResFormerConfig) -> list[str]:
-    """The modules `from_pretrained` keeps in float32 whatever the dtype: those of the model that hold parameters
-    (the learnable λ, DenseFormer's depth weights)."""
+    """The modules `from_pretrained` keeps in float32 whatever the dtype: those of the model that decide how values
+    mix (the learnable λ, DenseFormer's depth weights, `gated`'s value gates)."""
     spec = config.value_residual_spec
-    kept = (("value_residual", spec.learnable), ("depth_weighted_average", spec.depth_weighted_average))
+    kept = (("value_residual", spec.learnable), ("depth_weighted_average", spec.depth_weighted_average),
+            ("value_gate", bool(config.layers_with_value_gate)))
     return [name for name, present in kept if present]
 
 

@@ -59,8 +59,9 @@ from .loading import CheckpointChecks, modules_kept_in_float32
 from .no_grad_mixing import LayerMix, needs_value_gradients
 from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, is_pipeline_stage
 from .peft_support import register_peft_target_modules
+from .value_gate import ValueGate
 from .value_paths import value_path_for
-from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual
+from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, gathered_parameters
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
@@ -235,6 +236,9 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
         super()._init_weights(module)
         if isinstance(module, DepthWeightedAverage):
             init.zeros_(module.weight_offset)
+        if isinstance(module, ValueGate):  # the mix starts at the config's g0 for every token
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
         if isinstance(module, ValueResidual):
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
@@ -247,9 +251,18 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
         Row 0 and layers that do not receive V_0 are (0, 1); `svformer` rows n >= 1 are (1, 0); `dense` gives the
         weights on V_0 and on the layer's own value; `neutreno` gives (λ, 1 - λ), the mix its correction term
         `λ(V_0 - V_n)` would make of a token's own values. On a model sharded by FSDP2 or DeepSpeed ZeRO-3 the λ
-        are gathered first, so every rank must call it.
+        are gathered first, so every rank must call it. `gated` mixes per token: its rows show the mix of a token
+        whose gate input moves nothing, `g0 − 0.5 + σ(b_g)` averaged over kv heads (see `value_gate_statistics` for
+        the mix on text).
         """
-        return self.base_model.value_residual.lambda_table()
+        table = self.base_model.value_residual.lambda_table()
+        for layer in self.config.layers_with_value_gate:
+            gate = self.base_model.layers[layer].self_attn.value_gate
+            with gathered_parameters(gate):
+                mix = torch.sigmoid(gate.bias.detach().float()).mean().item() - 0.5
+            first = self.config.value_residual_lambda_first_resolved + mix
+            table[layer] = torch.tensor([first, 1.0 - first])
+        return table
 
 
 @auto_docstring

@@ -20,9 +20,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .configuration_resformer import CORRECT, MIX, MIX_ALL, PLAIN, REUSE, ResFormerConfig
-from .fused_mixing import corrected_output_projection, dense_values, plain_linear_weight, project_and_mix_first
+from .configuration_resformer import CORRECT, GATE, MIX, MIX_ALL, PLAIN, REUSE, ResFormerConfig
+from .fused_mixing import (
+    corrected_output_projection,
+    dense_values,
+    is_plain_linear,
+    plain_linear_weight,
+    project_and_mix_first,
+)
 from .no_grad_mixing import BATCHED_SCALING_MAX_TOKENS, LayerMix, ScaledPerReceiver
+from .value_gate import ValueGate, gated_values, project_and_gate
 from .value_residual import fixed_value_weights
 
 #: (values attention attends over [B, H_kv, T, D], residual values for later layers, what `project_output` reads)
@@ -249,6 +256,68 @@ class DenseValues(ValuePath):
         return values, (mixes, columns), own
 
 
+class GatedFirstValues(FirstValues):
+    """Layer 0 of `"gated"`: without gradient hands on V_0 as [B, T, H_kv, D], the layout its receivers lerp in."""
+
+    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+        flat, raw = _flat_values(attention.v_proj, hidden_states, self.head_dim)
+        return raw.transpose(1, 2), raw, raw
+
+
+class GatedValues(ValuePath):
+    """`"gated"`'s receiving layer: attends over `V_n + g·(V_0 − V_n)`, with `g = g0 − 0.5 + σ(W_g h + b_g)` computed
+    for each token and kv head by its `value_gate` (`value_gate.py` says why this form).
+
+    With a gradient the projection and the lerp are one fused function that keeps only σ ([B·T, H_kv]) beyond
+    Llama's activations (`project_and_gate`). Without one, beyond Llama's ops: the gate's GEMM (`t`, `addmm`), its
+    sigmoid, a view of it and the lerp, with V_n's GEMM on the [B·T, hidden] matrix (one op fewer than Llama's
+    linear); a gate started elsewhere than 0.5 (`g0 ≠ 0.5`, e.g. `--init preserve`) adds the shift.
+    """
+
+    first_values = GatedFirstValues
+
+    def __init__(self, config: ResFormerConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.shift = config.value_residual_lambda_first_resolved - 0.5  #: g0 − σ(0)
+        self.kv_heads = config.num_key_value_heads
+        self.hidden_size = config.hidden_size
+
+    def attach(self, attention: nn.Module) -> None:
+        attention.value_gate = ValueGate(self.hidden_size, self.kv_heads)
+
+    def mix(self, attention: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The mix `g` on V_0 of every token and kv head ([..., H_kv], float32) for the layer's normalised input."""
+        gate = attention.value_gate
+        return torch.sigmoid(gate(hidden_states.to(gate.weight.dtype)).float()) + self.shift
+
+    def with_gradient(self, attention, hidden_states, residual_values, weights) -> ValueStep:
+        v_proj, gate = attention.v_proj, attention.value_gate
+        if torch.compiler.is_compiling() or not (is_plain_linear(v_proj) and is_plain_linear(gate, ValueGate)):
+            # Compiled: plain ops keep V_n for the gate's gradient, less than the h the fused function keeps, which a
+            # compiled Llama recomputes instead (see `fused_mixing._project_and_mix_traced`).
+            own = _own_values(v_proj, hidden_states, self.head_dim)
+            logits = gate(hidden_states.to(gate.weight.dtype))
+            return gated_values(own, residual_values, logits, self.shift), residual_values, None
+        mixed = project_and_gate(hidden_states, v_proj, gate, residual_values, self.shift, self.head_dim)
+        return mixed, residual_values, None
+
+    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+        shape = hidden_states.shape
+        flat_hidden = hidden_states.reshape(-1, shape[-1])
+        weight, gate = plain_linear_weight(attention.v_proj), attention.value_gate
+        own = attention.v_proj(hidden_states) if weight is None else F.linear(flat_hidden, weight)
+        if is_plain_linear(gate, ValueGate):  # in the values' dtype (the gate is kept float32, as the λ are)
+            logits = torch.addmm(gate.bias.to(own.dtype), flat_hidden, gate.weight.to(own.dtype).t())
+        else:  # hooked, sharded or wrapped (PEFT): called, in its own dtype
+            logits = gate(flat_hidden.to(gate.weight.dtype)).to(own.dtype)
+        gated = torch.sigmoid(logits)
+        if self.shift:
+            gated = gated.add_(self.shift)
+        own = own.view(*shape[:-1], -1, self.head_dim)
+        mixed = torch.lerp(own, residual_values, gated.view(*shape[:-1], -1, 1))
+        return mixed.transpose(1, 2), residual_values, None
+
+
 #: The path of a receiving layer, by role: what `ResFormerAttention` looks up, as transformers looks up attention
 #: functions. Each receiving path names the path of layer 0 that feeds it (`first_values`).
 VALUE_PATHS: dict[str, type[ValuePath]] = {
@@ -257,6 +326,7 @@ VALUE_PATHS: dict[str, type[ValuePath]] = {
     MIX_ALL: DenseValues,
     REUSE: ReusedFirstValues,
     CORRECT: CorrectedValues,
+    GATE: GatedValues,
 }
 
 

@@ -18,8 +18,12 @@ import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 
-from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
+from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PER_TOKEN, PLAIN, REUSE, SOFTMAX, ResFormerConfig
 from .no_grad_mixing import LayerMix, readable_as_numbers
+
+#: Parameterisations whose λ are constants from the config: fixed λ, and `"gated"`'s initial mix (its gates live in
+#: the layers, `value_gate.ValueGate`).
+CONSTANT = (FIXED, PER_TOKEN)
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -68,7 +72,7 @@ class ValueResidual(nn.Module):
         # Fixed λ give a constant matrix: build it once instead of ~10 tiny ops per forward, which cost several % of a
         # small model's prefill. A non-persistent buffer follows `.to(device)` / device maps like Llama's rotary
         # `inv_freq`; like it, `_init_weights` rebuilds it when transformers loads on the meta device.
-        fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation == FIXED else None
+        fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation in CONSTANT else None
         self.register_buffer("fixed_weights", fixed, persistent=False)
         #: (λ offsets read as numbers, the mixes built from them): `layer_mixes` reuses them while the offsets match.
         self._numeric_mixes: tuple[dict[str, list], tuple[LayerMix, ...]] | None = None
@@ -166,7 +170,7 @@ class ValueResidual(nn.Module):
         weights), for parameters off the CPU (reading them would wait for the device every step) and for sharded ones
         (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor's values dispatches no op.
         """
-        if self.parameterisation == FIXED:
+        if self.parameterisation in CONSTANT:
             return {}
         if self.parameterisation == DENSE or not readable_as_numbers(self):
             return None
@@ -177,7 +181,7 @@ class ValueResidual(nn.Module):
         `learnable_plus` is a handful of float operations.
         """
         n = len(self.receivers)
-        if self.parameterisation == FIXED:
+        if self.parameterisation in CONSTANT:
             return [self.lambda_first_init] * n, [self.lambda_self_init] * n
         owns = [offset + self.lambda_self_init for offset in offsets["lambda_self_offset"]]
         if self.parameterisation == PAIR:
