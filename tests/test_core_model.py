@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
 from resformer_hf._compat import with_cache
 
-from helpers import TINY, randomised_model, tiny_config
+from helpers import TINY, model_with_random_lambdas, randomised_model, tiny_config
 from reference import reference_logits
 
 
@@ -334,6 +334,16 @@ def test_missing_value_gates_load_at_the_documented_initial_mix(tmp_path):
     input_ids = torch.randint(3, 128, (2, 9))
     with torch.no_grad():
         assert (loaded.eval()(input_ids).logits - fixed(input_ids).logits).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("variant", ["learnable_plus", "gated"])
+def test_a_gated_checkpoint_loaded_as_another_variant_is_refused_not_stripped_of_its_gates(tmp_path, variant):
+    """Its gates would be dropped silently (a different model); loaded as `gated` with other receivers too."""
+    model_with_random_lambdas(tiny_config("gated", value_residual_layers=[1, 3])).save_pretrained(tmp_path)
+    overrides = {"value_residual": variant, "value_residual_layers": [1, 2] if variant == "gated" else None}
+    with pytest.raises(ValueError, match=r"checkpoint has value gates \(self_attn\.value_gate\) for layers \[3\]"
+                       if variant == "gated" else r"for layers \[1, 3\], so it was trained as gated"):
+        ResFormerForCausalLM.from_pretrained(tmp_path, **overrides)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
