@@ -257,8 +257,7 @@ class ResFormerConfig(LlamaConfig):
             for `"sparse"` to the last ⌈3L/8⌉ layers. Not read by `"none"` and `"svformer"`.
         value_residual_lambda_first (`float`, *optional*):
             λ_first: the fixed value for `"constant"` (default 2.0) and `"sparse"` (5.0); the initial value for
-            `"learnable"` (0.5) and, as the weight on `V_0`, for `"dense"` (0.5); for `"gated"` the mix `g0` its
-            gates start at (0.5; 0 reproduces a model without value residual, which `--init preserve` uses).
+            `"learnable"` (0.5) and, as the weight on `V_0`, for `"dense"` (0.5); `"gated"`: its initial mix g0 (0.5).
         value_residual_lambda_self (`float`, *optional*):
             λ_self: fixed for `"constant"` (1.0) and `"sparse"` (1.0); initial for `"learnable"`, `"learnable_plus"`
             and `"dense"` (0.5).
@@ -283,10 +282,6 @@ class ResFormerConfig(LlamaConfig):
     """
 
     model_type = "resformer"
-    # The λ are replicated on every tensor-parallel rank, but each rank's heads give only part of their gradient: the
-    # style (parallelism.py) sums it over the ranks. The value gates (one mix per kv head) split by kv head, as v_proj.
-    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "value_residual": "value_residual_weights",
-                          "layers.*.self_attn.value_gate": "colwise"}
     # The λ in their own FSDP2 group, so that mixed precision can gather them in float32 (see modeling_resformer.py).
     base_model_fsdp_plan = {**LlamaConfig.base_model_fsdp_plan, "value_residual": "free_full_weight"}
     base_model_pp_plan = {
@@ -358,6 +353,12 @@ class ResFormerConfig(LlamaConfig):
                     "plain Llama."
                 )
 
+    @property
+    def base_model_tp_plan(self) -> dict[str, str]:
+        """Llama's; λ replicated (their gradient summed over ranks, parallelism.py); value gates split by kv head."""
+        gates = {"layers.*.self_attn.value_gate": "colwise"} if self.layers_with_value_gate else {}
+        return {**LlamaConfig.base_model_tp_plan, "value_residual": "value_residual_weights", **gates}
+
     # ---- per-layer facts (derived, never serialised) ----------------------------------------------------------------
 
     @property
@@ -424,8 +425,7 @@ class ResFormerConfig(LlamaConfig):
 
     @property
     def value_residual_lambda_self_resolved(self) -> float | None:
-        """λ_self in use: the configured value or the variant's documented default (`"gated"`: 1 − λ_first, the
-        weight its lerp puts on V_n)."""
+        """λ_self in use: configured, or the variant's default (`"gated"`: 1 − λ_first, its lerp's weight on V_n)."""
         if self.value_residual_spec.lambdas == PER_TOKEN:
             return 1.0 - self.value_residual_lambda_first_resolved
         configured = self.value_residual_lambda_self
