@@ -282,6 +282,8 @@ class ResFormerConfig(LlamaConfig):
     """
 
     model_type = "resformer"
+    # λ replicated on every rank, their gradient summed over the ranks (parallelism.py; value gates: its plan hook).
+    base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "value_residual": "value_residual_weights"}
     # The λ in their own FSDP2 group, so that mixed precision can gather them in float32 (see modeling_resformer.py).
     base_model_fsdp_plan = {**LlamaConfig.base_model_fsdp_plan, "value_residual": "free_full_weight"}
     base_model_pp_plan = {
@@ -352,12 +354,6 @@ class ResFormerConfig(LlamaConfig):
                     "value_residual_layers is empty; name at least one layer, or use value_residual='none' for a "
                     "plain Llama."
                 )
-
-    @property
-    def base_model_tp_plan(self) -> dict[str, str]:
-        """Llama's; λ replicated (their gradient summed over ranks, parallelism.py); value gates split by kv head."""
-        gates = {"layers.*.self_attn.value_gate": "colwise"} if self.layers_with_value_gate else {}
-        return {**LlamaConfig.base_model_tp_plan, "value_residual": "value_residual_weights", **gates}
 
     # ---- per-layer facts (derived, never serialised) ----------------------------------------------------------------
 
