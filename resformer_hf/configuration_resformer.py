@@ -32,12 +32,14 @@ MIX = "mix"  # attends over λ_first·V_0 + λ_self·V_n
 MIX_ALL = "mix_all"  # attends over Σ_j w_j·V_j, j = 0..n (the values of every earlier layer and its own)
 REUSE = "reuse"  # has no v_proj; attends over V_0 itself
 CORRECT = "correct"  # attends over V_n, then adds λ·(V_0 − V_n) to the attention output
+GATE = "gate"  # attends over V_n + g·(V_0 − V_n), g = its gate's mix for each token and kv head
 
 #: How learnable λ are parameterised (see `value_residual.ValueResidual`).
 FIXED = "fixed"  # constants from the config
 PAIR = "pair"  # one learnable (λ_first, λ_self) per receiving layer
 SOFTMAX = "softmax"  # λ_first = λ_scale·softmax(logits) over receiving layers, learnable λ_self per layer
 DENSE = "dense"  # one learnable weight per (receiving layer, earlier layer)
+PER_TOKEN = "per_token"  # each receiving layer's gate (`value_gate`) computes the mix of every token from its input
 
 LAMBDA_FIRST, LAMBDA_SELF = "value_residual_lambda_first", "value_residual_lambda_self"
 LAMBDA_SCALE, NEUTRENO_LAMBDA, LAYERS = "value_residual_lambda_scale", "neutreno_lambda", "value_residual_layers"
@@ -64,8 +66,8 @@ class ValueResidualVariant:
     """Everything the package knows about one variant. Add a variant by adding one of these to `VARIANTS`."""
 
     name: str
-    role: str  #: role of each receiving layer (PLAIN, MIX, MIX_ALL, REUSE or CORRECT)
-    lambdas: str  #: λ parameterisation (FIXED, PAIR, SOFTMAX or DENSE)
+    role: str  #: role of each receiving layer (PLAIN, MIX, MIX_ALL, REUSE, CORRECT or GATE)
+    lambdas: str  #: λ parameterisation (FIXED, PAIR, SOFTMAX, DENSE or PER_TOKEN)
     reads: tuple[str, ...]  #: optional config fields it reads; giving it another one is an error
     lambda_first: float | None  #: default λ_first (fixed value, or initial value when learnable); None: derived
     lambda_self: float | None  #: default λ_self, likewise
@@ -85,7 +87,11 @@ class ValueResidualVariant:
     combines_with_cross_layer_attention: bool = False
 
     @property
-    def learnable(self) -> bool:
+    def learnable(self) -> bool:  # its λ are parameters of `model.value_residual`
+        return self.lambdas in (PAIR, SOFTMAX, DENSE)
+
+    @property
+    def learns_mix(self) -> bool:  # learnable λ, or a learned gate per layer
         return self.lambdas != FIXED
 
     @property
@@ -168,6 +174,14 @@ VARIANTS: dict[str, ValueResidualVariant] = {
             default_layers=lambda num_layers: [], depth_weighted_average=True, convertible=True,
             preserving_fields={}, combines_with_cross_layer_attention=True,
         ),
+        ValueResidualVariant(
+            "gated", GATE, PER_TOKEN, (LAYERS, LAMBDA_FIRST), 0.5, None, "ResFormer (gated)",
+            "Every receiving layer attends over `V_n + g·(V_0 − V_n)`, with a mix `g` its learned gate computes for "
+            "each token and kv head from the layer's input (as x-transformers and RWKV-7 mix).",
+            table_note="`gated` mixes per token and kv head; the table shows the mix at its gates' biases "
+            "(`g0 − 0.5 + σ(b_g)`, mean over kv heads); `value_gate_statistics` measures it on text.",
+            convertible=True, preserving_fields={LAMBDA_FIRST: 0.0},
+        ),
     )
 }
 
@@ -225,20 +239,25 @@ class ResFormerConfig(LlamaConfig):
     Attention layer `n >= 1` attends over `V'_n = λ_first[n]·V_0 + λ_self[n]·V_n`, where `V_0` is layer 0's value
     projection of the same tokens. Layer indices are 0-based; layer 0 is never changed.
 
+    `"gated"`: layer n attends over `V_n + g·(V_0 − V_n)`, `g = g0 − 0.5 + σ(W_g h + b_g)` per token and kv head from
+    its normalised input h, with `self_attn.value_gate` (W_g, b_g) zero at first: a fresh model starts as `"identity"`
+    (`g0 = 0.5`), `g0 = 0` exactly as a model without residual, gates learning at once (why: `value_gate.py`).
+
     Args:
         value_residual (`str`, *optional*, defaults to `"learnable_plus"`):
             The paper's variant: `"none"` (plain Llama), `"identity"` (fixed 0.5/0.5), `"constant"` (fixed pair),
             `"learnable"` (per-layer learnable pair), `"learnable_plus"` (`λ_first = λ_scale·softmax(logits)` over the
-            receiving layers, shared learnable `λ_scale`; the paper's best), `"sparse"` (fixed pair on a few late
-            layers), `"dense"` (learnable weights on the values of every earlier layer), `"svformer"` (layers n >= 1
-            have no `v_proj` and attend over `V_0`), `"neutreno"` (the baseline `A_n V_n + λ(V_0 - V_n)`) or
-            `"denseformer"` (the DenseFormer baseline: no value residual, depth-weighted averages of block outputs).
+            receiving layers, shared learnable `λ_scale`; the paper's best), `"gated"` (a learned mix per token and
+            kv head, above), `"sparse"` (fixed pair on a few late layers), `"dense"` (learnable weights on the values
+            of every earlier layer), `"svformer"` (layers n >= 1 have no `v_proj` and attend over `V_0`), `"neutreno"`
+            (the baseline `A_n V_n + λ(V_0 - V_n)`) or `"denseformer"` (the DenseFormer baseline: no value residual,
+            depth-weighted averages of block outputs).
         value_residual_layers (`list[int]`, *optional*):
             The layers that receive `V_0` (each in `1 .. num_hidden_layers - 1`). Defaults to every layer n >= 1, and
             for `"sparse"` to the last ⌈3L/8⌉ layers. Not read by `"none"` and `"svformer"`.
         value_residual_lambda_first (`float`, *optional*):
             λ_first: the fixed value for `"constant"` (default 2.0) and `"sparse"` (5.0); the initial value for
-            `"learnable"` (0.5) and, as the weight on `V_0`, for `"dense"` (0.5).
+            `"learnable"` (0.5) and, as the weight on `V_0`, for `"dense"` (0.5); `"gated"`: its initial mix g0 (0.5).
         value_residual_lambda_self (`float`, *optional*):
             λ_self: fixed for `"constant"` (1.0) and `"sparse"` (1.0); initial for `"learnable"`, `"learnable_plus"`
             and `"dense"` (0.5).
@@ -263,8 +282,7 @@ class ResFormerConfig(LlamaConfig):
     """
 
     model_type = "resformer"
-    # The λ are replicated on every tensor-parallel rank, but each rank's heads give only part of their gradient:
-    # the style (registered in modeling_resformer.py) sums it over the ranks.
+    # λ replicated on every rank, their gradient summed over the ranks (parallelism.py; value gates: its plan hook).
     base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "value_residual": "value_residual_weights"}
     # The λ in their own FSDP2 group, so that mixed precision can gather them in float32 (see modeling_resformer.py).
     base_model_fsdp_plan = {**LlamaConfig.base_model_fsdp_plan, "value_residual": "free_full_weight"}
@@ -369,6 +387,11 @@ class ResFormerConfig(LlamaConfig):
         return [0]
 
     @property
+    def layers_with_value_gate(self) -> list[int]:
+        """Layers whose mix a learned gate computes per token (`"gated"`): they hold `self_attn.value_gate`."""
+        return [layer for layer, role in enumerate(self.value_residual_layer_roles) if role == GATE]
+
+    @property
     def layers_without_value_projection(self) -> list[int]:
         """Layers that have no `v_proj` because they attend over layer 0's values (SVFormer)."""
         return [layer for layer, role in enumerate(self.value_residual_layer_roles) if role == REUSE]
@@ -398,7 +421,9 @@ class ResFormerConfig(LlamaConfig):
 
     @property
     def value_residual_lambda_self_resolved(self) -> float | None:
-        """λ_self in use: the configured value or the variant's documented default."""
+        """λ_self in use: configured, or the variant's default (`"gated"`: 1 − λ_first, its lerp's weight on V_n)."""
+        if self.value_residual_spec.lambdas == PER_TOKEN:
+            return 1.0 - self.value_residual_lambda_first_resolved
         configured = self.value_residual_lambda_self
         return float(configured) if configured is not None else self.value_residual_spec.lambda_self
 

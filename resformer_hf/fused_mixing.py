@@ -2,10 +2,11 @@
 
 Why a module of its own: these functions exist only for the backward pass. They fuse the mix into the value projection
 (`_ProjectAndMixFirst`), keep `dense`'s raw values once in a shared buffer (`_DenseValues`) and recompute NeuTRENO's
-corrected o_proj input (`_CorrectedOutputProjection`), so that training holds exactly Llama's activations. Without a
-gradient none of that is needed, and `value_residual.py` mixes on v_proj's output instead (`LayerMix`), which is what
-decoding should cost. The plain-op forms (`mix_values`, `neutreno_correction`) are the fallback where v_proj / o_proj
-is not a plain `nn.Linear`, and the reference the tests hold the fused functions to.
+corrected o_proj input (`_CorrectedOutputProjection`), so that training holds exactly Llama's activations (`gated`'s,
+`_ProjectAndGate`, is in `value_gate.py`). Without a gradient none of that is needed, and the value paths
+(`value_paths.py`) mix on v_proj's output instead, which is what decoding should cost. The plain-op forms
+(`mix_values`, `neutreno_correction`) are the fallback where v_proj / o_proj is not a plain `nn.Linear`, and the
+reference the tests hold the fused functions to.
 Imports only torch and transformers (copied next to `config.json` for `trust_remote_code`).
 """
 
@@ -42,7 +43,7 @@ _GLOBAL_MODULE_HOOKS = tuple(
 _PLAIN_TENSOR_TYPES = (nn.Parameter, torch.Tensor)
 
 
-def is_plain_linear(module: nn.Module) -> bool:
+def is_plain_linear(module: nn.Module, linear_class: type[nn.Linear] = nn.Linear) -> bool:
     """Whether calling `module` is exactly `F.linear(x, module.weight, module.bias)`: a fused path may use its weight.
 
     False for LoRA, quantised or FSDP-wrapped replacements (other classes), module hooks or a patched `forward` (tensor
@@ -50,7 +51,7 @@ def is_plain_linear(module: nn.Module) -> bool:
     Runs once per layer in every decode step, so it reads the module's own dicts instead of its attributes: a
     parameter reached through `Module.__getattr__` costs a caught AttributeError each time.
     """
-    if type(module) is not nn.Linear:
+    if type(module) is not linear_class:  # `linear_class`: a subclass that keeps `nn.Linear.forward`
         return False
     state = module.__dict__
     if ("forward" in state or state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]

@@ -12,7 +12,7 @@ import re
 import torch
 from torch import nn
 
-from .configuration_resformer import VARIANTS, ResFormerConfig
+from .configuration_resformer import GATE, VARIANTS, ResFormerConfig
 
 
 def check_value_projections(config: ResFormerConfig, missing_keys, unexpected_keys) -> None:
@@ -44,6 +44,20 @@ def check_value_projections(config: ResFormerConfig, missing_keys, unexpected_ke
         )
 
 
+def check_value_gates(config: ResFormerConfig, unexpected_keys) -> None:
+    """Refuse a checkpoint with value gates in layers that have none, instead of dropping them: it was trained as
+    `gated` (missing gates are fine: they load as zeros, the documented start)."""
+    extra = [layer for layer in _layers_with(unexpected_keys, "value_gate")
+             if layer not in config.layers_with_value_gate]
+    if extra:
+        gated = [name for name, spec in VARIANTS.items() if spec.role == GATE]
+        raise ValueError(
+            f"Variant mismatch: the model is value_residual={config.value_residual!r}, but the checkpoint has value "
+            f"gates (self_attn.value_gate) for layers {extra}, so it was trained as {' or '.join(gated)} (with those "
+            "receiving layers). Load it with the value_residual and value_residual_layers its config.json names."
+        )
+
+
 def check_lambdas_are_finite(value_residual: nn.Module) -> None:
     """Refuse NaN/inf λ from a checkpoint, as the config refuses them: they would silently give NaN logits."""
     for name, parameter in value_residual.named_parameters():
@@ -71,10 +85,11 @@ def check_key_value_projections(config: ResFormerConfig, missing_keys, unexpecte
 
 
 def modules_kept_in_float32(config: ResFormerConfig) -> list[str]:
-    """The modules `from_pretrained` keeps in float32 whatever the dtype: those of the model that hold parameters
-    (the learnable λ, DenseFormer's depth weights)."""
+    """The modules `from_pretrained` keeps in float32 whatever the dtype: those of the model that decide how values
+    mix (the learnable λ, DenseFormer's depth weights, `gated`'s value gates)."""
     spec = config.value_residual_spec
-    kept = (("value_residual", spec.learnable), ("depth_weighted_average", spec.depth_weighted_average))
+    kept = (("value_residual", spec.learnable), ("depth_weighted_average", spec.depth_weighted_average),
+            ("value_gate", bool(config.layers_with_value_gate)))
     return [name for name, present in kept if present]
 
 
@@ -82,7 +97,7 @@ class CheckpointChecks:
     """`ResFormerPreTrainedModel`'s override of transformers' loading hook: the checks above, once weights load."""
 
     def _adjust_missing_and_unexpected_keys(self, loading_info) -> None:
-        """Refuse a checkpoint of another variant's v_proj layout, or with non-finite λ (`loading.py`).
+        """Refuse a checkpoint of another variant's v_proj layout or value gates, or with non-finite λ (`loading.py`).
 
         A private transformers hook: `PreTrainedModel._finalize_model_loading` calls it once the weights are loaded
         and missing ones initialised, which is when both checks can be made.
@@ -90,6 +105,7 @@ class CheckpointChecks:
         super()._adjust_missing_and_unexpected_keys(loading_info)
         check_key_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
         check_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
+        check_value_gates(self.config, loading_info.unexpected_keys)
         check_lambdas_are_finite(self.base_model.value_residual)
 
 

@@ -52,7 +52,7 @@ def _lambda_table(config: ResFormerConfig, lambdas: Any) -> torch.Tensor:
 
 def _lambda_note(config: ResFormerConfig, given: bool) -> str:
     spec = config.value_residual_spec
-    if spec.learnable:
+    if spec.learns_mix:
         note = (
             "The values below are the learned ones stored in this checkpoint."
             if given

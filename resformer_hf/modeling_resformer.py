@@ -1,9 +1,9 @@
 """ResFormer models: Llama's decoder with the value residual wired into attention.
 
 Built from Llama's own blocks (MLP, RMSNorm, rotary embedding, attention interface, masks, heads); only the
-attention and the decoder loop change, to carry layer 0's values to later layers. The value-residual math is in
-`value_residual.py`. This file is copied next to `config.json` for `trust_remote_code` loading, so it imports only
-torch, transformers and its sibling files.
+attention and the decoder loop change, to carry layer 0's values to later layers. What a layer does with values is
+its value path's (`value_paths.py`), the λ are `value_residual.py`'s. This file is copied next to `config.json` for
+`trust_remote_code` loading, so it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
@@ -53,15 +53,16 @@ from ._compat import (
     update_cache,
 )
 from .cache_resformer import new_dynamic_cache, share_cache_storage
-from .configuration_resformer import CORRECT, MIX, MIX_ALL, REUSE, ResFormerConfig
+from .configuration_resformer import ResFormerConfig
 from .cross_layer_kv import attend_over_shared_keys_values, share_key_value_projections
 from .depth_weighted_average import DepthWeightedAverage
-from .fused_mixing import dense_values, project_and_mix_first
 from .loading import CheckpointChecks, modules_kept_in_float32
-from .no_grad_mixing import LayerMix, corrected_output_projection, mix_on_output, needs_value_gradients
+from .no_grad_mixing import LayerMix, needs_value_gradients
 from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, is_pipeline_stage
 from .peft_support import register_peft_target_modules
-from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, fixed_value_weights
+from .value_gate import ValueGate
+from .value_paths import value_path_for
+from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, gathered_parameters
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
@@ -69,30 +70,17 @@ register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKP
 
 
 class ResFormerAttention(LlamaAttention):
-    """Llama attention whose values are mixed with layer 0's before the cache update and before attention.
+    """Llama attention whose values come from the layer's value path (`value_paths.py`), before the cache update.
 
-    SVFormer layers n >= 1 have no `v_proj`: they attend over layer 0's values. NeuTRENO layers attend over their own
-    values and add `λ(V_0 - V_n)` afterwards.
+    The path is chosen once, from the layer's role in the variant (`VARIANTS`), as transformers chooses an attention
+    function: it mixes layer 0's values in (ResFormer), reuses them (SVFormer: no `v_proj`), or corrects the attention
+    output with them (NeuTRENO), and hands on what later layers read.
     """
 
     def __init__(self, config: ResFormerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        role = config.value_residual_layer_roles[layer_idx]
-        self.reuses_first_values = role == REUSE
-        self.applies_neutreno = role == CORRECT
-        self.mixes_first_values = role == MIX
-        self.mixes_all_values = role == MIX_ALL
-        # Fixed λ as floats (exact scalars in the fused GEMMs); learnable λ come in as row n of `ValueResidual()`.
-        self.fixed_value_weights = fixed_value_weights(config)
-        # Where this layer's raw values go: layer 0 starts the stack later layers read; with a dense mix, every layer
-        # that some later layer reads appends its own, into one buffer of `value_stack_rows` rows (see `dense_values`).
-        sources, receivers = config.value_residual_sources, config.value_residual_receivers
-        self.keeps_every_layers_values = config.value_residual_spec.keeps_every_layers_values
-        self.value_stack_rows = max(receivers, default=0)
-        self.starts_residual_values = layer_idx == 0 and layer_idx in sources
-        self.extends_residual_values = layer_idx in sources and layer_idx < self.value_stack_rows
-        if self.reuses_first_values:
-            self.v_proj = None
+        self.value_path = value_path_for(config, layer_idx)
+        self.value_path.attach(self)
         share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
 
     def forward(
@@ -106,42 +94,14 @@ class ResFormerAttention(LlamaAttention):
         shared_keys_values: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple]:
-        """Returns (attention output, attention weights, the stack of raw values for later layers, the (K, V) the
-        next layer attends over with cross-layer attention, else (None, None))."""
-        paged = is_paged_cache(cache)
-        if self.reads_shared_keys_values:
-            keys, values = shared_keys_values
-            if paged:  # the producer's K and V of these tokens, through its pages (see `paged_cache.py`)
-                keys, values = update_cache(cache, keys, values, self.layer_idx, kwargs)
-            attn_output, attn_weights = attend_over_shared_keys_values(
-                self, hidden_states, keys, values, position_embeddings, attention_mask, **kwargs)
-            return attn_output, attn_weights, residual_values, shared_keys_values
+        """Returns (attention output, attention weights, what later layers read of the values (`residual_values`),
+        the (K, V) the next layer attends over with cross-layer attention)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        inference = isinstance(value_weights, LayerMix)  # no gradient needed: mix on v_proj's output
-        weights = value_weights if inference else self.fixed_value_weights or value_weights
-        own_values = None
-        if inference:
-            value_states, own_values, residual_values = mix_on_output(
-                weights, self.v_proj, hidden_states, residual_values, self.head_dim)
-        elif self.reuses_first_values:
-            value_states = residual_values[0]
-        elif self.mixes_first_values:
-            value_states = project_and_mix_first(
-                hidden_states, self.v_proj, residual_values, weights, self.layer_idx, self.head_dim
-            )
-        else:
-            own_values = value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-            if self.keeps_every_layers_values and (self.mixes_all_values or self.extends_residual_values):
-                value_states, residual_values = dense_values(
-                    own_values, residual_values, value_weights, self.layer_idx, self.value_stack_rows,
-                    mix=self.mixes_all_values, append=self.extends_residual_values,
-                )
-            elif self.starts_residual_values:
-                residual_values = own_values.unsqueeze(0)
+        value_states, residual_values, kept = self.value_path(self, hidden_states, residual_values, value_weights)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -151,7 +111,7 @@ class ResFormerAttention(LlamaAttention):
         handed_on = (key_states, value_states)
         if cache is not None:
             key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
-            if not paged:
+            if not is_paged_cache(cache):
                 handed_on = (key_states, value_states)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -167,14 +127,25 @@ class ResFormerAttention(LlamaAttention):
             scaling=self.scaling,
             **kwargs,
         )
-        if self.applies_neutreno:  # attention returns [B, T, H_q, D] here, [T, H_q·D] in vLLM: reshaped inside
-            attn_output = corrected_output_projection(
-                attn_output, input_shape, residual_values, own_values, self.o_proj, weights,
-                self.num_key_value_groups, self.head_dim)
-        else:
-            attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-            attn_output = self.o_proj(attn_output)
+        # Llama's reshape and o_proj; NeuTRENO adds its correction first. Attention returns [B, T, H_q, D] here,
+        # [T, H_q·D] in vLLM.
+        attn_output = self.value_path.project_output(self, attn_output, input_shape, residual_values, kept,
+                                                     value_weights)
         return attn_output, attn_weights, residual_values, handed_on
+
+
+class ResFormerSharedKeysValuesAttention(ResFormerAttention):
+    """A cross-layer-attention consumer (`cross_layer_attention`): no `k_proj` / `v_proj`; its queries attend over the
+    keys and values of the first layer of its group, which the decoder loop hands to it."""
+
+    def forward(self, hidden_states, residual_values, value_weights, position_embeddings=None, attention_mask=None,
+                cache=None, shared_keys_values=(None, None), **kwargs: Unpack[TransformersKwargs]):
+        keys, values = shared_keys_values
+        if is_paged_cache(cache):  # the producer's K and V of these tokens, through its pages (see `paged_cache.py`)
+            keys, values = update_cache(cache, keys, values, self.layer_idx, kwargs)
+        attn_output, attn_weights = attend_over_shared_keys_values(
+            self, hidden_states, keys, values, position_embeddings, attention_mask, **kwargs)
+        return attn_output, attn_weights, residual_values, shared_keys_values
 
 
 class ResFormerDecoderLayer(GradientCheckpointingLayer):
@@ -188,7 +159,9 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.layer_idx = layer_idx
-        self.self_attn = ResFormerAttention(config=config, layer_idx=layer_idx)
+        reads_shared = config.key_value_source_layers[layer_idx] != layer_idx
+        attention = ResFormerSharedKeysValuesAttention if reads_shared else ResFormerAttention
+        self.self_attn = attention(config=config, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -272,6 +245,9 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
         super()._init_weights(module)
         if isinstance(module, DepthWeightedAverage):
             init.zeros_(module.weight_offset)
+        if isinstance(module, ValueGate):  # the mix starts at the config's g0 for every token
+            init.zeros_(module.weight)
+            init.zeros_(module.bias)
         if isinstance(module, ValueResidual):
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
@@ -284,9 +260,18 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
         Row 0 and layers that do not receive V_0 are (0, 1); `svformer` rows n >= 1 are (1, 0); `dense` gives the
         weights on V_0 and on the layer's own value; `neutreno` gives (λ, 1 - λ), the mix its correction term
         `λ(V_0 - V_n)` would make of a token's own values. On a model sharded by FSDP2 or DeepSpeed ZeRO-3 the λ
-        are gathered first, so every rank must call it.
+        are gathered first, so every rank must call it. `gated` mixes per token: its rows show the mix of a token
+        whose gate input moves nothing, `g0 − 0.5 + σ(b_g)` averaged over kv heads (see `value_gate_statistics` for
+        the mix on text).
         """
-        return self.base_model.value_residual.lambda_table()
+        table = self.base_model.value_residual.lambda_table()
+        for layer in self.config.layers_with_value_gate:
+            gate = self.base_model.layers[layer].self_attn.value_gate
+            with gathered_parameters(gate):
+                mix = torch.sigmoid(gate.bias.detach().float()).mean().item() - 0.5
+            first = self.config.value_residual_lambda_first_resolved + mix
+            table[layer] = torch.tensor([first, 1.0 - first])
+        return table
 
 
 @auto_docstring

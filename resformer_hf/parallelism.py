@@ -1,9 +1,10 @@
 """How a ResFormer runs under transformers' parallelism: tensor parallel, FSDP2 mixed precision, pipeline parallel.
 
 The λ are replicated wherever the weights are sharded, so each engine needs one thing said about them: tensor parallel
-sums their gradient over the ranks (`value_residual_weights`), FSDP2 mixed precision gathers them in float32, and
-pipeline parallel is refused, because V_0 cannot cross transformers' stages. This file is copied next to
-`config.json` for `trust_remote_code`, so it imports only torch, transformers and its sibling files.
+sums their gradient over the ranks (`value_residual_weights`; a gated model's value gates are split by kv head
+instead), FSDP2 mixed precision gathers them in float32, and pipeline parallel is refused, because V_0 cannot cross
+transformers' stages. This file is copied next to `config.json` for `trust_remote_code`, so it imports only torch,
+transformers and its sibling files.
 """
 
 from __future__ import annotations
@@ -103,8 +104,20 @@ def gather_in_float32(value_residual: nn.Module) -> None:
         parameter.mp_policy = policy
 
 
+#: The value gates' tensor-parallel style: one mix per kv head, so split by kv head as v_proj is (each rank computes
+#: its own heads' mixes). In the plan of gated models only: transformers' checks refuse entries that match nothing.
+VALUE_GATE_TP_PLAN = {"layers.*.self_attn.value_gate": "colwise"}
+
+
 class ParallelismHooks:
     """`ResFormerPreTrainedModel`'s overrides of transformers' parallelism hooks (`DistributedMixin`)."""
+
+    def init_parallel_plans(self) -> None:
+        """transformers' plans, and for a gated base model its value gates' (`VALUE_GATE_TP_PLAN`). A transformers
+        hook (`DistributedMixin`, 5.19-5.24): `post_init` calls it; the causal LM collects its base model's plan."""
+        super().init_parallel_plans()
+        if self.base_model is self and self.config.layers_with_value_gate:
+            self._tp_plan.update(VALUE_GATE_TP_PLAN)
 
     @classmethod
     def prepare_distribute_model(cls, distributed_config, device_map=None):

@@ -5,8 +5,9 @@ tables, which only know built-in transformers models; without an entry, `get_pef
 "Please specify `target_modules`". A ResFormer has Llama's module names, so it gets Llama's rows.
 
 The λ of the value residual are a handful of scalars in one module, `value_residual` (DenseFormer's depth weights in
-`depth_weighted_average`); train them together with LoRA by naming them in `modules_to_save` (they are then saved
-in, and reloaded from, the adapter)::
+`depth_weighted_average`, a gated model's per-layer gates in each `self_attn.value_gate`, [H_kv, hidden] + [H_kv]);
+train them together with LoRA by naming them in `modules_to_save` (they are then saved in, and reloaded from, the
+adapter)::
 
     LoraConfig(task_type="CAUSAL_LM", modules_to_save=LAMBDA_MODULES)
 
@@ -23,9 +24,10 @@ import importlib.util
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
-#: The modules holding every λ (and DenseFormer's depth weights); pass as PEFT `modules_to_save` to train them
-#: alongside an adapter. A model without one of them simply has nothing to save under that name.
-LAMBDA_MODULES = ["value_residual", "depth_weighted_average"]
+#: The modules holding every λ (and DenseFormer's depth weights, `gated`'s value gates); pass as PEFT
+#: `modules_to_save` to train them alongside an adapter. A model without one of them simply has nothing to save under
+#: that name.
+LAMBDA_MODULES = ["value_residual", "depth_weighted_average", "value_gate"]
 
 _MODEL_TYPE = "resformer"
 _TEMPLATE_MODEL_TYPE = "llama"

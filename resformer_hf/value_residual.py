@@ -1,10 +1,10 @@
-"""The value residual itself: every λ of a ResFormer and the few lines that mix values with them.
+"""The λ of the value residual: every learnable or fixed mixing weight of a ResFormer, resolved once per forward pass.
 
-Everything specific to Value Residual Learning (Zhou et al., ACL 2025, arXiv 2410.17897) lives here, in the variant
-registry (`VARIANTS` in `configuration_resformer.py`) and, for training, in `fused_mixing.py`; the modeling file only
-wires it into Llama's attention. A forward pass that needs no gradient (decoding, evaluation) mixes on v_proj's output
-(`no_grad_mixing.py`); one that may be differentiated mixes through `fused_mixing.py`, which keeps training memory at
-Llama's. Imports only torch and transformers (copied for `trust_remote_code`).
+Value Residual Learning (Zhou et al., ACL 2025, arXiv 2410.17897) is declared in the variant registry (`VARIANTS` in
+`configuration_resformer.py`), parameterised here, and applied by each layer's value path (`value_paths.py`): with a
+gradient through `fused_mixing.py`, which keeps training memory at Llama's, without one on v_proj's output with the
+per-layer `LayerMix` this module resolves (`no_grad_mixing.py`). The modeling file only wires them into Llama's
+attention. Imports only torch and transformers (copied for `trust_remote_code`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 
-from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
+from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PER_TOKEN, PLAIN, REUSE, SOFTMAX, ResFormerConfig
 from .no_grad_mixing import LayerMix, readable_as_numbers
+
+#: Parameterisations whose λ are constants from the config: fixed λ, and `"gated"`'s initial mix (its gates live in
+#: the layers, `value_gate.ValueGate`).
+CONSTANT = (FIXED, PER_TOKEN)
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -52,9 +56,6 @@ class ValueResidual(nn.Module):
         self.lambda_self_init = config.value_residual_lambda_self_resolved
         self.lambda_scale_init = config.value_residual_lambda_scale_resolved
         self.role = config.value_residual_spec.role
-        sources, last_reader = config.value_residual_sources, max(self.receivers, default=0)
-        self.starts_stack = [layer == 0 and layer in sources for layer in range(self.num_layers)]
-        self.extends_stack = [0 < layer < last_reader and layer in sources for layer in range(self.num_layers)]
         n = len(self.receivers)
         if self.parameterisation == PAIR:
             self.lambda_first_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
@@ -71,7 +72,7 @@ class ValueResidual(nn.Module):
         # Fixed λ give a constant matrix: build it once instead of ~10 tiny ops per forward, which cost several % of a
         # small model's prefill. A non-persistent buffer follows `.to(device)` / device maps like Llama's rotary
         # `inv_freq`; like it, `_init_weights` rebuilds it when transformers loads on the meta device.
-        fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation == FIXED else None
+        fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation in CONSTANT else None
         self.register_buffer("fixed_weights", fixed, persistent=False)
         #: (λ offsets read as numbers, the mixes built from them): `layer_mixes` reuses them while the offsets match.
         self._numeric_mixes: tuple[dict[str, list], tuple[LayerMix, ...]] | None = None
@@ -155,13 +156,9 @@ class ValueResidual(nn.Module):
             return self._numeric_mixes[1]
         firsts, owns = self.numeric_lambdas(offsets)
         rows = {layer: row for row, layer in enumerate(self.receivers)}
-        first_of_layer_0 = firsts[0] if firsts and self.role == CORRECT else 0.0
+        first_of_layer_0 = firsts[0] if firsts and self.role == CORRECT else 0.0  # NeuTRENO's layer 0 scales V_0
         mixes = tuple(
-            LayerMix(
-                self.role if layer in rows else PLAIN, self.role, layer, rows.get(layer, -1), self.starts_stack[layer],
-                self.extends_stack[layer], firsts[rows[layer]] if layer in rows else first_of_layer_0, None,
-                owns[rows[layer]] if layer in rows else 1.0,
-            )
+            LayerMix(firsts[rows[layer]], owns[rows[layer]]) if layer in rows else LayerMix(first_of_layer_0, 1.0)
             for layer in range(self.num_layers)
         )
         self._numeric_mixes = (offsets, mixes)
@@ -173,7 +170,7 @@ class ValueResidual(nn.Module):
         weights), for parameters off the CPU (reading them would wait for the device every step) and for sharded ones
         (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor's values dispatches no op.
         """
-        if self.parameterisation == FIXED:
+        if self.parameterisation in CONSTANT:
             return {}
         if self.parameterisation == DENSE or not readable_as_numbers(self):
             return None
@@ -184,7 +181,7 @@ class ValueResidual(nn.Module):
         `learnable_plus` is a handful of float operations.
         """
         n = len(self.receivers)
-        if self.parameterisation == FIXED:
+        if self.parameterisation in CONSTANT:
             return [self.lambda_first_init] * n, [self.lambda_self_init] * n
         owns = [offset + self.lambda_self_init for offset in offsets["lambda_self_offset"]]
         if self.parameterisation == PAIR:
@@ -217,13 +214,8 @@ class ValueResidual(nn.Module):
         elif self.parameterisation == DENSE:  # a copy: FSDP2 frees the gathered parameter after this forward
             first = self.dense_weight_offset.clone()
         rows = {layer: row for row, layer in enumerate(self.receivers)}
-        return tuple(
-            LayerMix(
-                self.role if layer in rows else PLAIN, self.role, layer, rows.get(layer, -1), self.starts_stack[layer],
-                self.extends_stack[layer], first, first_init, owns[rows[layer]] if layer in rows else own_init,
-            )
-            for layer in range(self.num_layers)
-        )
+        return tuple(LayerMix(first, owns[rows[layer]] if layer in rows else own_init)
+                     for layer in range(self.num_layers))
 
     @torch.no_grad()
     def lambda_table(self) -> torch.Tensor:
@@ -326,6 +318,3 @@ def fixed_value_weights(config: ResFormerConfig) -> tuple[float, float] | None:
         return None
     return config.value_residual_lambda_first_resolved, config.value_residual_lambda_self_resolved
 
-
-# ---- the mix without gradient: on v_proj's output, one fused op per mixing layer ----------------------------------
-#

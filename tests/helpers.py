@@ -47,14 +47,20 @@ def tiny_config(variant: str = "learnable_plus", **overrides) -> ResFormerConfig
 
 
 def model_with_random_lambdas(config: ResFormerConfig, bound: float = 0.4) -> ResFormerForCausalLM:
-    """A tiny causal LM (eval mode) whose learnable λ offsets (and DenseFormer's depth-weight offsets) are uniform in
-    ±bound, so trained-looking λ are exercised rather than the initial values."""
+    """A tiny causal LM (eval mode) whose learnable λ offsets (and DenseFormer's depth-weight offsets, `gated`'s value
+    gates) are uniform in ±bound, so trained-looking λ are exercised rather than the initial values."""
     model = ResFormerForCausalLM(config).eval()
-    depth = getattr(model.model, "depth_weighted_average", None)
     with torch.no_grad():
-        for parameter in [*model.model.value_residual.parameters(), *(depth.parameters() if depth else ())]:
+        for parameter in mixing_parameters(model).values():
             parameter.uniform_(-bound, bound)
     return model
+
+
+def mixing_parameters(model) -> dict[str, torch.nn.Parameter]:
+    """Every parameter that decides how values (or, DenseFormer, block outputs) mix, by name: the λ offsets, the depth
+    weights and the value gates; the ones `model_with_random_lambdas` moves off their initial values."""
+    return {name: parameter for name, parameter in model.named_parameters()
+            if any(part in name.split(".") for part in ("value_residual", "depth_weighted_average", "value_gate"))}
 
 
 # Non-default λ for every variant that takes them, so the reference checks the fields are really read.
@@ -69,6 +75,7 @@ NON_DEFAULT = {
     "svformer": {},
     "neutreno": {"neutreno_lambda": 0.7, "value_residual_layers": [2, 3]},
     "denseformer": {"denseformer_dilation": 2},
+    "gated": {"value_residual_lambda_first": 0.3, "value_residual_layers": [1, 3]},
 }
 
 
@@ -235,6 +242,7 @@ __all__ = [
     "llama_config_like",
     "llama_pair",
     "NON_DEFAULT",
+    "mixing_parameters",
     "model_with_random_lambdas",
     "randomised_model",
     "run_fresh_python",

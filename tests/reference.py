@@ -30,6 +30,7 @@ def effective_weights(config, state: dict[str, torch.Tensor]) -> dict[int, dict[
     defaults = {
         "identity": (0.5, 0.5), "constant": (2.0, 1.0), "learnable": (0.5, 0.5), "learnable_plus": (None, 0.5),
         "sparse": (5.0, 1.0), "dense": (0.5, 0.5), "neutreno": (0.4, None), "svformer": (1.0, 0.0),
+        "gated": (0.5, None),
     }
     first0, self0 = defaults[variant]
     if config.value_residual_lambda_first is not None:
@@ -64,6 +65,9 @@ def effective_weights(config, state: dict[str, torch.Tensor]) -> dict[int, dict[
     elif variant == "svformer":
         for n in range(1, L):
             out[n] = {0: 1.0}
+    elif variant == "gated":  # the initial mix g0 on V_0; the mix itself depends on the token (`gated_values`)
+        for n in receivers:
+            out[n] = {0: first0, n: 1.0 - first0}
     else:  # identity, constant, sparse: fixed
         for n in receivers:
             out[n] = {0: first0, n: self0}
@@ -123,7 +127,9 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
         raw_values.append(v_own)
         v = v_own
         w = weights.get(n)
-        if w is not None and config.value_residual not in ("neutreno", "svformer"):
+        if w is not None and config.value_residual == "gated":
+            v = gated_values(state, p, h, w[0], raw_values[0], v_own)
+        elif w is not None and config.value_residual not in ("neutreno", "svformer"):
             v = sum(_scaled(coef, raw_values[j]) for j, coef in w.items())
         q, k = rope(q, positions, theta), rope(k, positions, theta)
         shared[n] = (k, v)
@@ -135,6 +141,14 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
     x = rms_norm(x, state["model.norm.weight"], eps)
     head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
     return x @ head.T
+
+
+def gated_values(state, p: str, h, initial_mix: float, first, own) -> torch.Tensor:
+    """`(1 − g)·V_n + g·V_0` with `g = g0 − 1/2 + σ(h W_gᵀ + b_g)`: one mix per token and kv head, from the layer's
+    normalised input h [B, T, hidden]; V_0 and V_n are [B, H_kv, T, D]."""
+    logits = h @ state[p + "self_attn.value_gate.weight"].T + state[p + "self_attn.value_gate.bias"]  # [B, T, H_kv]
+    g = (initial_mix - 0.5 + 1.0 / (1.0 + torch.exp(-logits))).transpose(1, 2).unsqueeze(-1)  # [B, H_kv, T, 1]
+    return (1 - g) * own + g * first
 
 
 def _attention(q, k, v, groups: int, causal: torch.Tensor) -> torch.Tensor:

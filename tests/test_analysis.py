@@ -9,10 +9,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM
-from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
+from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity, value_gate_statistics
 from resformer_hf.cli.analyze import main
 
-from helpers import TINY, tiny_config
+from helpers import TINY, randomised_model, tiny_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -191,3 +191,27 @@ def test_cli_errors_say_what_to_do(tmp_path, capsys):
     assert main([str(tmp_path / "llama"), "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip().endswith("missing.txt is not a file; pass a UTF-8 text file.")
     assert not (tmp_path / "o").exists()
+
+
+def test_value_gate_statistics_follow_the_gates_equation_on_each_layers_input():
+    """Mean, spread and range of `g = g0 − 1/2 + σ(W_g h + b_g)` over the valid tokens and kv heads of each gated
+    layer, with h that layer's normalised input recomputed here from the hidden states the model returns."""
+    model = randomised_model("gated", initializer_range=0.2)  # layers 1 and 3, g0 = 0.3, random gates
+    input_ids = torch.randint(3, 128, (2, 9))
+    mask = torch.ones_like(input_ids)
+    mask[1, :4] = 0  # left padding: those tokens do not count
+    statistics = value_gate_statistics(model, input_ids, mask)
+    assert sorted(statistics) == [1, 3]
+    with torch.no_grad():
+        states = model(input_ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    for layer, found in statistics.items():
+        block = model.model.layers[layer]
+        normed = block.input_layernorm(states[layer])
+        gate = block.self_attn.value_gate
+        expected = (0.3 - 0.5 + torch.sigmoid(normed @ gate.weight.T + gate.bias))[mask.bool()]
+        assert found == pytest.approx({"mean": expected.mean().item(), "std": expected.std(correction=0).item(),
+                                       "min": expected.min().item(), "max": expected.max().item()}, abs=1e-6)
+        assert found["std"] > 1e-3  # the mix really depends on the token
+    fresh = value_gate_statistics(_resformer("gated"), input_ids)  # zero gates: every token at g0 = 0.5
+    assert fresh == {layer: {"mean": 0.5, "std": 0.0, "min": 0.5, "max": 0.5} for layer in (1, 2, 3)}
+    assert value_gate_statistics(_resformer("learnable_plus"), input_ids) == {}

@@ -110,6 +110,8 @@ def sources(tmp_path_factory) -> dict[str, Path]:
         ("llama-bf16", "learnable"),
         ("mistral", "learnable_plus"),
         ("qwen2", "learnable"),
+        ("llama-bf16", "gated"),
+        ("qwen2", "gated"),
     ],
 )
 def test_preserving_conversion_matches_source(sources, tmp_path, kind, variant):
@@ -130,23 +132,31 @@ def test_preserving_conversion_matches_source(sources, tmp_path, kind, variant):
     # (Scaling the bf16 weights by 1.01 in the writer moved the logits by only 0.004, under a 1e-2 tolerance.)
     assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
 
-    # The λ sit at the exact-Llama point and are written explicitly (no "newly initialised" keys on load).
+    # The λ (and value gates) sit at the exact-Llama point and are written explicitly (no "newly initialised" keys).
     lambdas = converted.value_residual_lambdas()
     assert torch.equal(lambdas[1:], torch.tensor([[0.0, 1.0]] * (SMALL["num_hidden_layers"] - 1)))
     stored = _stored_tensors(dst)
-    assert {name for name in stored if name.startswith("model.value_residual.")} == {
-        name for name, _ in converted.named_parameters() if name.startswith("model.value_residual.")
+    mixing = ("model.value_residual.", ".value_gate.")
+    assert {name for name in stored if any(part in name for part in mixing)} == {
+        name for name, _ in converted.named_parameters() if any(part in name for part in mixing)
     }
+    if variant == "gated":  # zero gates, float32 like the λ: every token's mix starts at g0 = 0
+        gates = {name: p for name, p in converted.named_parameters() if ".value_gate." in name}
+        assert len(gates) == 2 * (SMALL["num_hidden_layers"] - 1)
+        assert all(p.dtype == torch.float32 and not p.any() for p in gates.values())
     assert report.num_tensors == len(stored)
     if kind == "qwen2":  # Llama's attention_bias adds an o_proj bias that Qwen2 lacks: it must be exactly zero
         assert converted.config.attention_bias
         assert all(not layer.self_attn.o_proj.bias.any() for layer in converted.model.layers)
         assert set(report.added_tensors) >= {f"model.layers.{i}.self_attn.o_proj.bias" for i in range(3)}
 
-    # The λ are trainable from here: one backward pass reaches them with a non-zero gradient.
+    # The λ (the gates) are trainable from here: one backward pass reaches them with a non-zero gradient.
     converted.float().train()
     loss = converted(input_ids=ids, labels=ids).loss
     loss.backward()
+    if variant == "gated":  # σ'(0) = 1/4: every gate has gradient at the exact-Llama start
+        assert all(p.grad.abs().sum().item() > 0 for name, p in converted.named_parameters() if ".value_gate." in name)
+        return
     offsets = dict(converted.model.value_residual.named_parameters())
     moving = offsets["lambda_first_offset"] if variant == "learnable" else offsets["lambda_scale_offset"]
     assert moving.requires_grad and moving.grad.abs().sum().item() > 0
@@ -256,7 +266,8 @@ def test_svformer_drops_v_proj_and_measures_divergence(sources, tmp_path):
     assert any("needs uptraining" in note and f"{divergence:.3g}" in note for note in report.notes)
 
 
-@pytest.mark.parametrize("variant, expected", [("learnable", (0.5, 0.5)), ("constant", (2.0, 1.0))])
+@pytest.mark.parametrize("variant, expected", [("learnable", (0.5, 0.5)), ("constant", (2.0, 1.0)),
+                                               ("gated", (0.5, 0.5))])
 def test_paper_init_uses_paper_values_and_says_outputs_change(sources, tmp_path, variant, expected):
     dst = tmp_path / variant
     report = convert_llama_checkpoint(sources["llama-tied"], dst, variant=variant, init="paper", progress=False)

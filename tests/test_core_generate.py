@@ -111,7 +111,7 @@ def test_every_cache_path_generates_the_uncached_tokens(variant, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "svformer", "neutreno"])
+@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "svformer", "neutreno", "gated"])
 def test_compiled_static_cache_generates_the_uncached_tokens(variant):
     model = model_for(variant)
     prompt = torch.randint(3, 128, (1, 6))

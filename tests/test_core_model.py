@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
 from resformer_hf._compat import with_cache
 
-from helpers import TINY, randomised_model, tiny_config
+from helpers import TINY, model_with_random_lambdas, randomised_model, tiny_config
 from reference import reference_logits
 
 
@@ -45,7 +45,7 @@ def test_none_loaded_from_a_llama_checkpoint_gives_llamas_logits(tmp_path):
     assert delta <= 1e-5
 
 
-@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "svformer", "neutreno"])
+@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "svformer", "neutreno", "gated"])
 def test_attention_backends_agree(variant):
     torch.manual_seed(1)
     model = randomised_model(variant)
@@ -75,7 +75,7 @@ def disable_checkpointing(model) -> None:
     (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
 
 
-@pytest.mark.parametrize("variant", ["learnable", "learnable_plus", "dense", "neutreno", "svformer"])
+@pytest.mark.parametrize("variant", ["learnable", "learnable_plus", "dense", "neutreno", "svformer", "gated"])
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_gives_the_same_gradients(variant, use_reentrant):
     model = randomised_model(variant).train()
@@ -124,6 +124,19 @@ def test_learnable_lambdas_receive_gradients(variant):
     assert lambdas, "learnable variants must have λ parameters"
     for name, parameter in lambdas.items():
         assert parameter.grad is not None and parameter.grad.abs().sum().item() > 0, name
+
+
+def test_value_gates_receive_gradients_from_the_first_step():
+    """Zero-initialised gates (the documented start: the mix is g0 for every token) get gradient at once, weight and
+    bias, in every gated layer; at g0 = 0 too (`--init preserve`), where the model is exactly one without residual."""
+    for fields in ({}, {"value_residual_lambda_first": 0.0}):
+        model = ResFormerForCausalLM(tiny_config("gated", **fields)).train()
+        gates = {n: p for n, p in model.named_parameters() if ".value_gate." in n}
+        assert len(gates) == 2 * (TINY["num_hidden_layers"] - 1) and all(not p.any() for p in gates.values())
+        input_ids = torch.randint(3, 128, (2, 9))
+        model(input_ids, labels=input_ids).loss.backward()
+        for name, parameter in gates.items():
+            assert parameter.grad is not None and parameter.grad.abs().sum().item() > 0, (fields, name)
 
 
 @pytest.mark.parametrize("variant", ["learnable", "learnable_plus"])
@@ -302,6 +315,37 @@ def test_forward_traces_as_one_graph_under_torch_compile():
         assert torch.allclose(compiled(input_ids).logits, model(input_ids).logits, atol=1e-6)
 
 
+def test_missing_value_gates_load_at_the_documented_initial_mix(tmp_path):
+    """A gated checkpoint without its gates (e.g. written by code that did not know them) loads them as zeros, the
+    documented start: every token's mix is g0, exactly the mix an `identity`-like fixed pair gives."""
+    from safetensors.torch import load_file, save_file
+
+    model = randomised_model("gated")
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v for k, v in load_file(path).items() if ".value_gate." not in k}, path, metadata={"format": "pt"})
+    loaded, info = ResFormerForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert sorted(info["missing_keys"]) == sorted(k for k in model.state_dict() if ".value_gate." in k)
+    gates = [p for n, p in loaded.named_parameters() if ".value_gate." in n]
+    assert gates and all(p.dtype == torch.float32 and not p.any() for p in gates)
+    fixed = ResFormerForCausalLM(tiny_config("constant", value_residual_layers=[1, 3], value_residual_lambda_first=0.3,
+                                             value_residual_lambda_self=0.7)).eval()
+    fixed.load_state_dict(loaded.state_dict(), strict=False)
+    input_ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        assert (loaded.eval()(input_ids).logits - fixed(input_ids).logits).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize("variant", ["learnable_plus", "gated"])
+def test_a_gated_checkpoint_loaded_as_another_variant_is_refused_not_stripped_of_its_gates(tmp_path, variant):
+    """Its gates would be dropped silently (a different model); loaded as `gated` with other receivers too."""
+    model_with_random_lambdas(tiny_config("gated", value_residual_layers=[1, 3])).save_pretrained(tmp_path)
+    overrides = {"value_residual": variant, "value_residual_layers": [1, 2] if variant == "gated" else None}
+    with pytest.raises(ValueError, match=r"checkpoint has value gates \(self_attn\.value_gate\) for layers \[3\]"
+                       if variant == "gated" else r"for layers \[1, 3\], so it was trained as gated"):
+        ResFormerForCausalLM.from_pretrained(tmp_path, **overrides)
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_non_finite_lambdas_in_a_checkpoint_are_refused_by_name(tmp_path, bad):
     from safetensors.torch import load_file, save_file
@@ -385,7 +429,7 @@ def test_the_value_residual_saves_only_the_values_it_must_keep(variant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "neutreno", "identity"])
+@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "neutreno", "identity", "gated"])
 def test_compiled_training_step_gives_the_eager_gradients(variant):
     """The fused autograd functions trace into one graph (forward and backward, AOTAutograd) with eager's gradients."""
     import torch._dynamo

@@ -1,6 +1,6 @@
 """Decoding costs what Llama's does: the no-grad mix, its op budget per decode step, and its exactness.
 
-Without a gradient the value residual mixes on v_proj's output (`value_residual.mix_on_output`) instead of through the
+Without a gradient the value residual mixes on v_proj's output (`value_paths.py`) instead of through the
 fused training functions. Op counts are exact and independent of machine load, so they are asserted here; the time
 they cost is measured only in `benchmarks/cost/bench_decode.py`.
 """
@@ -14,7 +14,7 @@ from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 
 from resformer_hf._compat import with_cache
 from resformer_hf.cache_resformer import share_first_layer_values
-from resformer_hf.configuration_resformer import CORRECT, MIX_ALL, REUSE, VARIANTS
+from resformer_hf.configuration_resformer import CORRECT, GATE, MIX_ALL, REUSE, VARIANTS
 from resformer_hf.no_grad_mixing import BATCHED_SCALING_MAX_TOKENS
 
 from helpers import NON_DEFAULT, decode_logits, llama_config_like, model_with_random_lambdas, tiny_config
@@ -23,8 +23,10 @@ from reference import reference_logits
 #: The issue's decode step: hidden 256 × 8 layers, one query head per kv head, 64 cached tokens, batch 1.
 DECODE_SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=672, num_hidden_layers=8, num_attention_heads=8,
                     num_key_value_heads=8, max_position_embeddings=128, tie_word_embeddings=False)
-#: Extra ops a decode step may dispatch per receiving layer beyond Llama's (others: 1), and per forward pass.
-PER_LAYER = {MIX_ALL: 3, CORRECT: 2}
+#: Extra ops a decode step may dispatch per receiving layer beyond Llama's (others: 1), and per forward pass. A gated
+#: layer's floor is its gate's GEMM (`t`, `addmm`); then its sigmoid, a view of it for the kv heads and the lerp, while
+#: V_n's GEMM on the [B·T, hidden] matrix saves one of Llama's views: 4.
+PER_LAYER = {MIX_ALL: 3, CORRECT: 2, GATE: 4}
 PER_FORWARD = 8
 
 
@@ -240,12 +242,14 @@ def test_a_long_prefill_without_gradient_keeps_one_scaled_copy_of_the_first_valu
 
 #: What the paper's arithmetic lets a 6-layer prefill without gradient hold beyond Llama, in V_0-sized tensors
 #: (5 receiving layers), written here rather than read from the package's variant flags, so a wrong flag cannot widen
-#: its own limit. Measured (seed 0): none −0.01, the V_0-mixing variants 1.01-1.22, dense 5.09, SVFormer −4.03.
+#: its own limit. Measured (seed 0): none −0.01, the V_0-mixing variants 1.01-1.22 (gated 1.02), dense 5.09, SVFormer
+#: −4.03.
 PREFILL_V0_COPIES = {
     "none": 0,  # plain Llama
     # V'_n = λ_first·V_0 + λ_self·V_n: one scaled V_0 live at a time (before: learnable λ kept all 5 at once)
     "identity": 1, "constant": 1, "learnable": 1, "learnable_plus": 1, "sparse": 1,
     "neutreno": 1,  # λ·(V_0 − V_n) after attention: λ·V_0 once
+    "gated": 1,  # V_n + g·(V_0 − V_n): the lerp's output next to V_n, one receiver at a time
     "dense": 5,  # V'_n = Σ_{j≤n} w_nj·V_j kept as one running mix per receiver (before: 2 × 5, a new mix per layer)
     # no v_proj in layers 1..5: the cache ends with 5 fewer value tensors than Llama's; at the peak (before the
     # last layer has run) at least 4 fewer

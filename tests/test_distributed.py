@@ -4,9 +4,11 @@ Each engine runs in 2 CPU processes (`torchrun --nproc_per_node 2`, gloo) throug
 and must match one process on the same global batch: per-step losses, the λ gradients of the first step and the λ
 after 3 AdamW steps within 1e-5, the λ table (`value_residual_lambdas()` on the sharded model) equal to the
 unsharded model's. `learnable_plus` (the default, softmax λ with a shared λ_scale), `svformer` (no λ, V_0 reused) and
-`dense` (a λ matrix over every earlier layer's values) cover the three ways values travel; a plain Llama of the same
-shape is the control. The `learnable_plus` checkpoint is written in the old layout (0-dim λ_scale), so sharded loading
-of old checkpoints is covered too. Mixed precision must keep the λ in float32; pipeline parallelism must refuse.
+`dense` (a λ matrix over every earlier layer's values) cover the three ways values travel, and `gated` a mix computed
+by a gate in every layer (sharded with its layer; by kv head, as v_proj, under tensor parallelism); a plain Llama of
+the same shape is the control. The `learnable_plus` checkpoint is written in the old layout (0-dim λ_scale), so
+sharded loading of old checkpoints is covered too. Mixed precision must keep the λ in float32; pipeline parallelism
+must refuse.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 import resformer_hf
 from resformer_hf.parallelism import PIPELINE_PARALLEL_UNSUPPORTED
 
-from helpers import TINY, model_with_random_lambdas, save_with_scalar_lambda_scale, tiny_config
+from helpers import TINY, mixing_parameters, model_with_random_lambdas, save_with_scalar_lambda_scale, tiny_config
 
 WORKERS = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(WORKERS))
@@ -287,7 +289,7 @@ def test_deepspeed_bf16_mixes_in_float32_from_rounded_offsets(deepspeed_engines,
     assert run["buffer_dtypes"] in ([], ["torch.float32"])
     model = AutoModelForCausalLM.from_pretrained(data / name)
     with torch.no_grad():
-        for parameter in model.model.value_residual.parameters():
+        for parameter in [*model.model.value_residual.parameters(), *mixing_parameters(model).values()]:
             parameter.copy_(parameter.bfloat16().float())
         rounded = model.model.value_residual()
     torch.testing.assert_close(torch.tensor(run["weights"]), rounded, rtol=0, atol=1e-6)

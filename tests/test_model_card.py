@@ -88,6 +88,21 @@ def test_lambda_table_defaults_to_the_documented_initial_values():
     assert receives == [False, False, True, True]
 
 
+def test_a_gated_models_table_shows_its_gates_mix_and_says_how_to_read_it():
+    """`gated` mixes per token: the card shows the mix of its gates' biases (`value_residual_lambdas()`), says so,
+    and starts at g0 for every receiving layer (0.5, or 0 for a preserving conversion)."""
+    printed, receives = _table(build_model_card(tiny_config("gated", value_residual_lambda_first=0.0)))
+    assert torch.equal(printed, torch.tensor([[0.0, 1.0]] * 4)) and receives == [False, True, True, True]
+    model = ResFormerForCausalLM(tiny_config("gated"))
+    with torch.no_grad():
+        model.model.layers[2].self_attn.value_gate.bias.copy_(torch.tensor([1.0, -0.5]))
+    card = build_model_card(model.config, lambdas=model.value_residual_lambdas())
+    printed, _ = _table(card)
+    mix = (torch.sigmoid(torch.tensor(1.0)) + torch.sigmoid(torch.tensor(-0.5))).item() / 2
+    assert torch.allclose(printed, torch.tensor([[0.0, 1.0], [0.5, 0.5], [mix, 1 - mix], [0.5, 0.5]]), atol=5e-5)
+    assert "learned ones stored in this checkpoint" in card.content and "mixes per token and kv head" in card.content
+
+
 def test_write_model_card_round_trips_through_readme(tmp_path):
     config = tiny_config("svformer")
     path = write_model_card(tmp_path / "out", config, license="mit", training={"steps": 5})

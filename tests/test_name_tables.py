@@ -68,7 +68,7 @@ def test_label_smoothing_loss_equals_llamas(tmp_path, monkeypatch):
     assert abs(label_smoothing_loss(resformer, input_ids, tmp_path) - loss) > 1e-3
 
 
-@pytest.mark.parametrize("variant", ["learnable_plus", "svformer", "dense"])
+@pytest.mark.parametrize("variant", ["learnable_plus", "svformer", "dense", "gated"])
 def test_label_smoothing_trains_on_next_token_targets(variant, tmp_path):
     model = model_with_random_lambdas(tiny_config(variant))
     input_ids = torch.randint(3, 128, (2, 16))

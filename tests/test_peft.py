@@ -197,3 +197,44 @@ def test_lambdas_train_with_lora_and_travel_with_the_adapter(data, tmp_path):
     standalone = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     torch.testing.assert_close(standalone.value_residual_lambdas(), trained_lambdas, rtol=0, atol=0)
     torch.testing.assert_close(logits(standalone, probe), adapted, rtol=0, atol=1e-5)
+
+
+def test_value_gates_train_with_lora_and_travel_with_the_adapter(data, tmp_path):
+    """`gated`: `LAMBDA_MODULES` makes every layer's value gate trainable beside LoRA; the trained gates are saved in
+    the adapter, reload to the same logits, and merge into a standalone model with real `ValueGate`s."""
+    from resformer_hf.value_gate import ValueGate
+
+    model = build_model(len(data[0]), value_residual="gated")
+    model.save_pretrained(tmp_path / "base")
+    probe = data[2]
+    table_before = model.value_residual_lambdas()
+
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                                  modules_to_save=LAMBDA_MODULES))
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in name}
+    gated_layers = model.config.layers_with_value_gate
+    assert trainable == {f"base_model.model.model.layers.{layer}.self_attn.value_gate.modules_to_save.default.{part}"
+                         for layer in gated_layers for part in ("weight", "bias")}
+    train(peft_model, data, tmp_path / "run")
+    trained_table = peft_model.value_residual_lambdas()
+    assert (trained_table - table_before)[gated_layers].abs().min() > 1e-4, "the gates should train with the adapter"
+    original = peft_model.base_model.model.model.layers[1].self_attn.value_gate.original_module
+    assert isinstance(original, ValueGate) and not original.weight.any()  # the base stays at its zero start
+    adapted = logits(peft_model, probe)
+
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as saved:
+        gate_keys = {key for key in saved.keys() if "value_gate" in key}
+    assert gate_keys == {f"base_model.model.model.layers.{layer}.self_attn.value_gate.{part}"
+                         for layer in gated_layers for part in ("weight", "bias")}
+
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    torch.testing.assert_close(reloaded.value_residual_lambdas(), trained_table, rtol=0, atol=0)
+    torch.testing.assert_close(logits(reloaded, probe), adapted, rtol=0, atol=1e-6)
+
+    merged = reloaded.merge_and_unload()
+    assert type(merged.model.layers[1].self_attn.value_gate) is ValueGate
+    merged.save_pretrained(tmp_path / "merged")
+    standalone = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(standalone.value_residual_lambdas(), trained_table, rtol=0, atol=0)
+    torch.testing.assert_close(logits(standalone, probe), adapted, rtol=0, atol=1e-5)

@@ -58,13 +58,13 @@ QUANTIZED_LOGITS_ATOL = 0.02
 
 
 @pytest.mark.parametrize("backend", ["quanto", "hqq"])
-def test_svformer_and_dense_run_with_a_quantized_cache(backend):
+def test_svformer_dense_and_gated_run_with_a_quantized_cache(backend):
     """A quantized cache stores values per layer (no sharing for SVFormer) and holds the packed size; decoding on a
     4-bit prefill stays within the measured 4-bit error of the uncached logits, and a wrong prefill does not."""
     pytest.importorskip(BACKEND_MODULES[backend], reason=f"the {backend} backend is in the `clients` extra")
     input_ids = torch.randint(3, 128, (1, PROMPT))
     other_prompt = torch.randint(3, 128, (1, PROMPT))
-    for variant in ("svformer", "dense"):
+    for variant in ("svformer", "dense", "gated"):
         model = ResFormerForCausalLM(tiny_config(variant)).eval()
         out = quantized_generate(model, input_ids, backend, 4)
         assert out.sequences.shape == (1, PROMPT + NEW_TOKENS)

@@ -65,7 +65,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     special = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id") for name in ("pad", "bos", "eos")}
     shape = {**TINY, **special, "vocab_size": len(tokenizer), "max_position_embeddings": 128}
     folders = {}
-    for seed, variant in enumerate(("learnable_plus", "svformer")):
+    for seed, variant in enumerate(("learnable_plus", "svformer", "gated")):
         torch.manual_seed(seed)
         model = model_with_random_lambdas(ResFormerConfig(**shape, value_residual=variant))
         folders[variant] = root / variant
@@ -220,6 +220,12 @@ def batched(folders, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gated(folders, tmp_path_factory):
+    """`gated` (random value gates) served with continuous batching."""
+    yield from _serve(folders, tmp_path_factory, "gated", *CB_FLAGS)
+
+
+@pytest.fixture(scope="module")
 def control(folders, tmp_path_factory):
     """The Llama control, with continuous batching."""
     yield from _serve(folders, tmp_path_factory, "llama", *CB_FLAGS)
@@ -242,7 +248,7 @@ def test_completions_and_chat_equal_generate(plain):
         assert server.chat(content, stream=True) == reference.chat(content, stream=True), content
 
 
-@pytest.mark.parametrize("fixture", ["plain", "batched", "control"])
+@pytest.mark.parametrize("fixture", ["plain", "batched", "gated", "control"])
 def test_concurrent_requests_equal_generate(fixture, request):
     server, reference = request.getfixturevalue(fixture)
     prompts = [PROMPTS[index % len(PROMPTS)] for index in range(CONCURRENT)]

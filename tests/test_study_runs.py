@@ -183,6 +183,42 @@ def test_paired_report_over_every_seed_with_each_seeds_lambdas(where, tmp_path):
     assert math.isfinite(float(table.split("| 12 | ")[1].split(" | ")[0]))
 
 
+def test_gated_study_reuses_the_tuned_runs_and_reports_where_the_gates_ended(where, tmp_path, trained):
+    """The gated comparison asks for the same Llama and learnable_plus runs as `tuned_seeds` (trained once), writes a
+    page saying what is missing before its own arm has run, then the mix its gates gave the validation tokens per
+    layer, as stored by each run and summarised over the seeds."""
+    from resformer_hf.text import sample_text
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "text.txt").write_text(sample_text(30000))
+    settings = [*TINY_DATA[2:], *TINY_MODEL, "--seq-len", "32", "--batch-size", "4", "--tokens", "256", "--corpora",
+                str(folder), "--seeds", "0", "1", *where]
+    cli.main(["run", "tuned_seeds", "--arms", "llama", "learnable_plus", *settings])
+    cli.main(["report", "gated", *settings])
+    assert "not trained yet" in open(f"{where[3]}/gated.md").read()
+    cli.main(["run", "gated", *settings])
+    assert [label.split(" ")[0] for label in trained] == [
+        "llama/seed0", "learnable_plus/seed0", "llama/seed1", "learnable_plus/seed1", "gated/seed0", "gated/seed1"]
+    table = open(f"{where[3]}/gated.md").read()
+    assert f"| `{folder}` | `gated` | 2 | " in table and "λ_first/λ_self per layer" in table
+    gates = [r["result"]["value_gate_statistics"] for r in sorted(records(where), key=lambda r: r["identity"]["seed"])
+             if r["identity"]["model"]["variant"] == "gated"]
+    assert len(gates) == 2 and all(sorted(g) == ["1"] for g in gates)  # 2 layers: layer 1 is gated
+    assert all(e["min"] <= e["mean"] <= e["max"] and e["std"] >= 0 for g in gates for e in g.values())
+    means = [g["1"]["mean"] for g in gates]
+    assert f"| 1 | {paired_mean(means)} | " in table and ", ".join(f"{m:.3f}" for m in means) in table
+    assert all("value_gate_statistics" not in r["result"] for r in records(where)
+               if r["identity"]["model"]["variant"] != "gated")
+
+
+def paired_mean(values: list[float]) -> str:
+    """`mean ± sample std` as the gated report prints the mean mix over seeds."""
+    mean = sum(values) / len(values)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+    return f"{mean:.3f} ± {std:.3f}"
+
+
 @pytest.mark.slow
 def test_baselines_study_shares_the_context_studys_runs_and_measures_cache_bytes(where, trained):
     """Llama's, ResFormer's and SVFormer's runs come from the context-length study at the same settings; the cache

@@ -152,7 +152,7 @@ def decay_only_run(data, model, tmp_path):
     return recorder.by_step
 
 
-@pytest.mark.parametrize("variant", ["learnable_plus", "dense"])  # "learnable": the next test
+@pytest.mark.parametrize("variant", ["learnable_plus", "dense", "gated"])  # "learnable": the next test
 def test_weight_decay_leaves_lambdas_at_their_initial_values(data, tmp_path, variant):
     model = build_model(len(data[0]), value_residual=variant)
     q_before = model.model.layers[1].self_attn.q_proj.weight.detach().clone()

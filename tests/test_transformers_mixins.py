@@ -1,9 +1,10 @@
-"""transformers' own common model tests (`ModelTesterMixin`) run against ResFormer — the default variant, SVFormer and
-dense — and, as the control, against HF's Llama with the same tester, as transformers' tests/models/llama does.
+"""transformers' own common model tests (`ModelTesterMixin`) run against ResFormer — the default variant, SVFormer,
+dense and gated — and, as the control, against HF's Llama with the same tester, as transformers'
+tests/models/llama does.
 
 The mixin comes from the transformers sdist (fetched once by pip, see `transformers_mixins.py`); when pip cannot
 fetch it the module fails in CI and is skipped elsewhere (`pypi_cache.unavailable`). Each test class runs the whole
-mixin (SVFormer and dense: the `VARIANT_TESTS` subset, each name checked to exist in the mixin); the mixin's own
+mixin (SVFormer, dense and gated: the `VARIANT_TESTS` subset, each name checked to exist in the mixin); the mixin's own
 skips (no GPU, no flash-attention, ...) and the one this file adds (`_Environment`) apply to ResFormer and to the
 Llama control alike.
 """
@@ -145,6 +146,11 @@ class TestSVFormerCommon(_ResFormerCommonTests, unittest.TestCase):
 @_only_variant_tests
 class TestDenseCommon(_ResFormerCommonTests, unittest.TestCase):
     variant = "dense"
+
+
+@_only_variant_tests
+class TestGatedCommon(_ResFormerCommonTests, unittest.TestCase):
+    variant = "gated"
 
 
 class TestLlamaControlCommon(_Environment, common.ModelTesterMixin, unittest.TestCase):

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 NEEDS = f"ResFormer needs transformers >= {OLDEST_SUPPORTED}, found "
 OLDEST_RELEASE = f"{OLDEST_SUPPORTED}.0"
-VARIANTS = ["identity", "constant", "learnable", "learnable_plus", "sparse", "dense", "svformer", "neutreno"]
+VARIANTS = ["identity", "constant", "learnable", "learnable_plus", "sparse", "dense", "svformer", "neutreno", "gated"]
 
 
 def oldest_release() -> Path:

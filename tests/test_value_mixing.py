@@ -1,9 +1,9 @@
 """The fused value-residual autograd functions: float64 gradcheck, the plain-op fallback, saved tensors, bf16.
 
-`project_and_mix_first`, `dense_values` and `corrected_output_projection` compute the mix with custom autograd
-functions that save only what attention, the projections and layer 0 keep anyway. Each is checked here against finite
-differences (`torch.autograd.gradcheck`, float64) on every code path, against the plain autograd ops they replace, and
-for what they save; `test_core_model.py` checks the whole model against the independent reference.
+`project_and_mix_first`, `project_and_gate`, `dense_values` and `corrected_output_projection` compute the mix with
+custom autograd functions that save only what attention, the projections and layer 0 keep anyway. Each is checked here
+against finite differences (`torch.autograd.gradcheck`, float64) on every code path, against the plain autograd ops
+they replace, and for what they save; `test_core_model.py` checks the whole model against the independent reference.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from resformer_hf.fused_mixing import (
     neutreno_correction,
     project_and_mix_first,
 )
+from resformer_hf.value_gate import ValueGate, gated_values, project_and_gate
 
 BATCH, LENGTH, HIDDEN, HEAD_DIM = 2, 5, 12, 3
 F64 = {"dtype": torch.float64}
@@ -158,6 +159,97 @@ def test_fused_mix_under_bf16_autocast_matches_the_plain_path():
             hooked(layer.v_proj)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             results.append(run_mix(layer, params, hidden, first.bfloat16(), weights, learnable=True))
+    for fused, plain in zip(*results):
+        assert torch.allclose(fused, plain, rtol=2e-2, atol=2e-2)
+
+
+# ---- gated: V_n + g·(V_0 − V_n), g = shift + σ(W_g h + b_g) per token and kv head ---------------------------------
+
+
+class GatingLayer(nn.Module):
+    """Calls `project_and_gate` as a gated layer's value path does, so `functional_call` can make W, W_g inputs."""
+
+    def __init__(self, kv_heads: int, bias: bool, shift: float, dtype=torch.float64):
+        super().__init__()
+        self.kv_heads, self.shift = kv_heads, shift
+        self.v_proj = nn.Linear(HIDDEN, kv_heads * HEAD_DIM, bias=bias).to(dtype)
+        self.value_gate = ValueGate(HIDDEN, kv_heads).to(dtype)
+
+    def forward(self, hidden, first):
+        stack = projected(first, self.kv_heads).unsqueeze(0)
+        if is_plain_linear(self.v_proj) and is_plain_linear(self.value_gate, ValueGate):
+            return project_and_gate(hidden, self.v_proj, self.value_gate, stack, self.shift, HEAD_DIM)
+        own = projected(self.v_proj(hidden), self.kv_heads)
+        return gated_values(own, stack, self.value_gate(hidden), self.shift)
+
+
+def gating_case(kv_heads: int, bias: bool, shift: float, dtype=torch.float64, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    layer = GatingLayer(kv_heads, bias, shift, dtype)
+    params = {name: torch.randn(p.shape, generator=generator).to(dtype) for name, p in layer.named_parameters()}
+    hidden = torch.randn(BATCH, LENGTH, HIDDEN, generator=generator).to(dtype)
+    first = torch.randn(BATCH, LENGTH, kv_heads * HEAD_DIM, generator=generator).to(dtype)
+    return layer, params, hidden, first
+
+
+def run_gate(layer: GatingLayer, params: dict, hidden, first) -> list[torch.Tensor]:
+    """Output and every input gradient of `sum(out * ramp)` for fresh leaf copies of the inputs."""
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, first, *params.values())]
+    out = functional_call(layer, dict(zip(params, leaves[2:])), (leaves[0], leaves[1]))
+    (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    return [out.float()] + [t.grad.float() for t in leaves]
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shift", [0.0, -0.5])  # started at the identity's 0.5, or at 0 (`--init preserve`)
+def test_project_and_gate_passes_gradcheck_and_matches_the_equation(kv_heads, bias, shift):
+    layer, params, hidden, first = gating_case(kv_heads, bias, shift)
+    names = list(params)
+
+    def fused(hidden, first, *weights):
+        assert is_plain_linear(layer.v_proj) and is_plain_linear(layer.value_gate, ValueGate)
+        return functional_call(layer, dict(zip(names, weights)), (hidden, first))
+
+    inputs = [t.requires_grad_() for t in (hidden, first, *params.values())]
+    assert gradcheck(fused, inputs)
+    weights = dict(zip(names, params.values()))
+    own = projected(torch.nn.functional.linear(hidden, weights["v_proj.weight"], weights.get("v_proj.bias")), kv_heads)
+    gate = shift + torch.sigmoid(hidden @ weights["value_gate.weight"].T + weights["value_gate.bias"])
+    gate = gate.transpose(1, 2).unsqueeze(-1)  # [B, H_kv, T, 1]
+    expected = (1 - gate) * own + gate * projected(first, kv_heads)
+    assert torch.allclose(fused(*inputs), expected, atol=1e-12)
+
+
+def test_hooked_projections_take_the_plain_gated_path_with_the_same_values_and_gradients():
+    fused = run_gate(*gating_case(2, True, -0.5))
+    for hooked_module in ("v_proj", "value_gate"):
+        layer, params, hidden, first = gating_case(2, True, -0.5)
+        getattr(layer, hooked_module).register_forward_hook(lambda module, args, output: output)
+        plain = run_gate(layer, params, hidden, first)
+        for fused_value, plain_value in zip(fused, plain):
+            assert torch.allclose(fused_value, plain_value, atol=1e-12), hooked_module
+
+
+def test_fused_gate_saves_only_the_gate_beyond_what_the_projections_and_layer_zero_keep():
+    """Fused: h, W, W_g, V_0 (kept by q/k_proj and layer 0) and σ [B·T, H_kv]; plain ops also keep V_n."""
+    layer, _, hidden, first = gating_case(2, False, 0.0)
+    hidden, first = hidden.requires_grad_(), first.requires_grad_()
+    kept = {t.untyped_storage().data_ptr() for t in (hidden, first, *layer.parameters())}
+    extra = saved_storages(layer, hidden, first) - kept
+    assert len(extra) == 1  # σ, BATCH·LENGTH·H_kv numbers
+    layer.v_proj.register_forward_hook(lambda module, args, output: output)
+    assert len(saved_storages(layer, hidden, first) - kept) >= 2  # σ and the raw V_n the gate's gradient needs
+
+
+def test_fused_gate_under_bf16_autocast_matches_the_plain_path():
+    results = []
+    for path in ("fused", "plain"):
+        layer, params, hidden, first = gating_case(2, True, -0.5, dtype=torch.float32, seed=3)
+        if path == "plain":
+            layer.v_proj.register_forward_hook(lambda module, args, output: output)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(run_gate(layer, params, hidden, first.bfloat16()))
     for fused, plain in zip(*results):
         assert torch.allclose(fused, plain, rtol=2e-2, atol=2e-2)
 

@@ -23,7 +23,7 @@ HOW = (
     "parallel, hooked or offloaded) the plain ops run and keep one extra `[B, H_kv, T, D]` tensor per layer. Train "
     "with `use_cache=False`: otherwise transformers builds a KV cache in training too, attention keeps the cache's "
     "copies of the values (Llama as well), and V_0 is then kept once more. Without gradient "
-    "(`resformer_hf/value_residual.py`) λ are Python numbers and a mixing layer's v_proj and mix are one "
+    "(`resformer_hf/value_paths.py`) λ are Python numbers and a mixing layer's v_proj and mix are one "
     "`addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`, where Llama has its linear: no op per layer beyond Llama's."
 )
 

@@ -56,7 +56,7 @@ BATCH_PROMPTS = (3, 17, 41, 9)
 
 def build_case(name: str, seed: int = 0) -> torch.nn.Module:
     """The tiny model of case `name` (float32, CPU, eval): random weights, queries and keys ×4, λ offsets (and
-    DenseFormer's depth-weight offsets) uniform in ±0.4."""
+    DenseFormer's depth-weight offsets, `gated`'s value gates) uniform in ±0.4."""
     torch.manual_seed(seed)
     if name == LLAMA:
         model = LlamaForCausalLM(LlamaConfig(**SIZE))
@@ -67,8 +67,9 @@ def build_case(name: str, seed: int = 0) -> torch.nn.Module:
             for projection in (layer.self_attn.q_proj, getattr(layer.self_attn, "k_proj", None)):
                 if projection is not None:
                     projection.weight.mul_(4)
-        for module in ("value_residual", "depth_weighted_average"):
-            for parameter in getattr(getattr(model.model, module, None), "parameters", list)():
+        mixing = ("model.value_residual.", "model.depth_weighted_average.")
+        for parameter_name, parameter in model.named_parameters():  # module order: the λ draws of before
+            if parameter_name.startswith(mixing) or ".value_gate." in parameter_name:
                 parameter.uniform_(-0.4, 0.4)
     return model.eval()
 

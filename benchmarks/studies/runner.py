@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity
+from resformer_hf.analysis import attention_entropy, lambda_table, token_similarity, value_gate_statistics
 
 from benchmarks.common import environment_line, setup_device
 from benchmarks.studies.corpora import corpus_folder
@@ -18,7 +18,7 @@ from benchmarks.studies.spec import Settings
 from benchmarks.studies.store import RunStore
 from benchmarks.studies.training import cache_bytes_per_token, non_embedding_parameters, seeded_model, train
 
-#: Validation blocks the attention-entropy and token-similarity analysis runs on after training.
+#: Validation blocks the attention-entropy, token-similarity and value-gate analysis runs on after training.
 ANALYSIS_SEQUENCES = 8
 
 
@@ -67,6 +67,9 @@ def train_from_scratch(run: PlannedRun, data: Data, device: torch.device) -> dic
         non_embedding_parameters=non_embedding_parameters(model),
         cache_bytes_per_token=cache_bytes_per_token(model, data.val[0].to(device)),
     )
+    gates = value_gate_statistics(model, probe)  # `gated`: the mix its gates give these tokens, per layer
+    if gates:
+        result["value_gate_statistics"] = {str(layer): statistics for layer, statistics in gates.items()}
     return result
 
 

@@ -7,7 +7,7 @@ writes a comparison of several checkpoints as `summary.md`. The command is `resf
 
 from __future__ import annotations
 
-from .metrics import attention_entropy, lambda_table, token_similarity
+from .metrics import attention_entropy, lambda_table, token_similarity, value_gate_statistics
 from .plots import plot_attention_entropy, plot_lambdas, plot_per_layer, plot_token_similarity
 from .report import AnalysisError, analyze_checkpoints, read_text_file
 
@@ -22,4 +22,5 @@ __all__ = [
     "plot_token_similarity",
     "read_text_file",
     "token_similarity",
+    "value_gate_statistics",
 ]

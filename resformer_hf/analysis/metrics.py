@@ -1,4 +1,5 @@
-"""Per-layer numbers behind the paper's analyses: attention entropy, token similarity and the λ table.
+"""Per-layer numbers behind the paper's analyses: attention entropy, token similarity, the λ table, and the mix that a
+`gated` model's value gates give its tokens.
 
 Value Residual Learning claims that carrying layer 0's values upward keeps deep layers' attention less concentrated
 and their token representations less alike (less over-smoothing). These functions measure exactly that, per layer,
@@ -90,13 +91,48 @@ def token_similarity(
 
 
 def lambda_table(model: PreTrainedModel) -> torch.Tensor:
-    """Effective (λ_first, λ_self) per layer, float32 [num_hidden_layers, 2]; a plain Llama is (0, 1) everywhere."""
+    """Effective (λ_first, λ_self) per layer, float32 [num_hidden_layers, 2] (`value_residual_lambdas()`); a plain
+    Llama is (0, 1) everywhere."""
     base = getattr(model, "base_model", model)
-    if hasattr(base, "value_residual"):
-        return base.value_residual.lambda_table()
+    if hasattr(base, "value_residual_lambdas"):
+        return base.value_residual_lambdas()
     table = torch.zeros(model.config.num_hidden_layers, 2)
     table[:, 1] = 1.0
     return table
 
 
 __all__ = ["attention_entropy", "lambda_table", "token_similarity"]
+
+
+@torch.no_grad()
+def value_gate_statistics(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+) -> dict[int, dict[str, float]]:
+    """The mix on V_0 that each gated layer (`value_residual="gated"`) gives the batch's tokens: `{layer: {"mean",
+    "std", "min", "max"}}` over every non-padding token and kv head (`std` over them too: how much the mix depends on
+    the token). Empty for a model without value gates (every other variant, a Llama).
+
+    The mix is what the layer's value path computes from its normalised input, read by a hook on each gated
+    attention layer during one forward pass without cache.
+    """
+    valid = _valid_mask(input_ids, attention_mask)
+    gated = [module for module in model.modules() if hasattr(getattr(module, "value_path", None), "mix")]
+    mixes: dict[int, torch.Tensor] = {}
+
+    def record(module, args, kwargs):
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        mixes[module.layer_idx] = module.value_path.mix(module, hidden_states)  # [B, T, H_kv]
+
+    hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in gated]
+    try:
+        if hooks:
+            model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    statistics = {}
+    for layer, mix in sorted(mixes.items()):
+        values = mix[valid.to(mix.device)]  # [tokens, H_kv]
+        statistics[layer] = {"mean": values.mean().item(), "std": values.std(correction=0).item(),
+                             "min": values.min().item(), "max": values.max().item()}
+    return statistics

@@ -75,6 +75,13 @@ def expected_state(model) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return state
 
 
+def _is_value_gate(model, name: str) -> bool:
+    """Whether `name` is a tensor of a gated layer's value gate (`value_gate.ValueGate`)."""
+    from ..value_gate import ValueGate
+
+    return isinstance(model.get_submodule(name.rpartition(".")[0]), ValueGate)
+
+
 def plan_conversion(
     shards: list[Path], inventory: dict[str, TensorInfo], model, model_type: str, dtype: torch.dtype | None
 ) -> Plan:
@@ -107,8 +114,9 @@ def plan_conversion(
     added = []
     missing = [name for name in expected if name not in inventory]
     for name in missing:
-        if name.startswith(_VALUE_RESIDUAL_PREFIX):
-            target = ordered[-1]  # λ offsets are zero: the config holds the initial values
+        if name.startswith(_VALUE_RESIDUAL_PREFIX) or _is_value_gate(model, name):
+            # λ offsets and value gates are zero: the config holds the initial values (the mix g0 for every token)
+            target = ordered[-1]
         elif model_type == "qwen2" and _O_PROJ_BIAS.match(name):
             weight = name.removesuffix("bias") + "weight"
             target = next(plan for plan in ordered if weight in plan.tensors)
@@ -118,7 +126,7 @@ def plan_conversion(
                 f"the checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {short_list(missing)}; it is "
                 "incomplete or does not match config.json."
             )
-        shape, expected_dtype = expected[name]  # λ: float32, as the model keeps them (_keep_in_fp32_modules)
+        shape, expected_dtype = expected[name]  # λ, gates: float32, as the model keeps them (_keep_in_fp32_modules)
         target.tensors[name] = TensorPlan(None, shape, expected_dtype)
         added.append(name)
     return Plan(ordered, added, dropped)

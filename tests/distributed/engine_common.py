@@ -19,14 +19,17 @@ import torch.distributed as dist
 
 STEPS = 3
 LEARNING_RATE = 1e-2
-#: Models every engine trains: the plain Llama control and the ResFormer variants the issue names.
-MODELS = ("llama", "learnable_plus", "svformer", "dense")
+#: Models every engine trains: the plain Llama control and the ResFormer variants the issue names, and `gated` (its
+#: mix comes from a gate in each layer, sharded with the layer: by kv head under tensor parallelism).
+MODELS = ("llama", "learnable_plus", "svformer", "dense", "gated")
 
 
 def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The λ parameters by name (empty for a plain Llama or a fixed variant)."""
+    """The parameters that decide the mix, by name: the λ, and `gated`'s value gates (empty for a plain Llama or a
+    fixed variant)."""
     module = getattr(model.base_model, "value_residual", None)
-    return dict(module.named_parameters()) if module is not None else {}
+    found = dict(module.named_parameters()) if module is not None else {}
+    return {**found, **{name: p for name, p in model.named_parameters() if ".value_gate." in name}}
 
 
 def lambda_table(model: torch.nn.Module) -> list | None:

@@ -24,7 +24,7 @@ from transformers.distributed import DistributedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
-from engine_common import MODELS, DataParallel, Engine, attempt, lambda_parameters, load_batch, train
+from engine_common import MODELS, DataParallel, Engine, attempt, load_batch, train
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ def shard_with_torch(model, mp_policy: MixedPrecisionPolicy | None = None):
     kwargs = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    if mp_policy is not None and lambda_parameters(model):
+    if mp_policy is not None and list(model.model.value_residual.parameters()):
         # The λ in their own group, gathered in float32 (docs/scaling-out.md).
         fully_shard(model.model.value_residual, mesh=kwargs["mesh"], mp_policy=MixedPrecisionPolicy())
     for layer in model.model.layers:

@@ -1,6 +1,7 @@
-"""The paired report (`tuned_seeds`): per grid cell (corpus) and arm, the difference to the same seed's Llama over
-every seed all arms finished, its 95% t-interval and whether it exceeds seed noise; then each seed's numbers with the
-λ a learnable arm ended at, so a reader sees whether a wide spread between seeds goes with where the λ went."""
+"""The paired report (`tuned_seeds`, `gated`): per grid cell (corpus) and arm, the difference to the same seed's Llama
+over every seed all arms finished, its 95% t-interval and whether it exceeds seed noise; then each seed's numbers with
+the λ a learnable arm ended at, so a reader sees whether a wide spread between seeds goes with where the λ went, and
+for a `gated` arm the mix its gates gave the validation tokens at the end of training, layer by layer."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from resformer_hf.configuration_resformer import VARIANTS
 from benchmarks.common import BASELINE, markdown_table, pyplot
 from benchmarks.studies.reports.seeds import complete_seeds, fewer_tokens, save, summarize
 from benchmarks.studies.results import CellRuns, Results
+from benchmarks.studies.runner import ANALYSIS_SEQUENCES
+from benchmarks.studies.seed_statistics import spread
 
 
 def learns_lambdas(variant: str) -> bool:
-    return variant in VARIANTS and VARIANTS[variant].learnable
+    return variant in VARIANTS and VARIANTS[variant].learns_mix
 
 
 def seed_rows(cell: CellRuns, arm: str, seeds: list[int]) -> tuple[list[list[str]], str]:
@@ -41,13 +44,35 @@ def seed_rows(cell: CellRuns, arm: str, seeds: list[int]) -> tuple[list[list[str
     return rows, "; correlation over seeds of Δ with the mean " + ", with the mean ".join(correlations)
 
 
+def gate_rows(cell: CellRuns, arm: str, seeds: list[int]) -> list[list[str]]:
+    """One row per gated layer: the mix on V_0 its gates gave the validation tokens at the end of training
+    (`value_gate_statistics`), over the seeds; none when the arm's runs have no gates."""
+    statistics = [cell[f"{arm}/seed{seed}"].get("value_gate_statistics") for seed in seeds]
+    if not statistics or any(entry is None for entry in statistics):
+        return []
+    rows = []
+    for layer in sorted(statistics[0], key=int):
+        per_seed = [entry[layer] for entry in statistics]
+        means = spread([entry["mean"] for entry in per_seed])
+        rows.append([layer, f"{means.mean:.3f} ± {means.std:.3f}", f"{np.mean([e['std'] for e in per_seed]):.3f}",
+                     f"{min(e['min'] for e in per_seed):.3f} – {max(e['max'] for e in per_seed):.3f}",
+                     ", ".join(f"{entry['mean']:.3f}" for entry in per_seed)])
+    return rows
+
+
 def render(results: Results) -> Path | None:
     study = results.study
     summaries = {cell: summarize(runs, results.arms, results.seeds) for cell, runs in results.cells.items()}
     summaries = {cell: summary for cell, summary in summaries.items() if summary["seeds"]}
     if not summaries:
-        print("no corpus has a seed that finished every arm yet; nothing to report")
-        return None
+        print("no corpus has a seed that finished every arm yet; the report says what is missing")
+        return results.write([
+            "# Each arm against Llama at the tuned settings, on every corpus (CPU scale): not trained yet",
+            results.regenerate, "",
+            f"No corpus has a seed that every arm ({', '.join(f'`{arm}`' for arm in results.arms)}) finished yet, "
+            f"of the seeds {', '.join(map(str, results.seeds))}; run the command above to train what is missing "
+            "(runs other studies stored at the same settings are reused).",
+        ])
     rows = []
     for cell, summary in summaries.items():
         for arm, e in summary["variants"].items():
@@ -85,6 +110,15 @@ def render(results: Results) -> Path | None:
                       f"layer 1..L−1; mean over them in their own columns){correlation}:", "",
                       markdown_table(["seed", "final val loss", "Δ vs that seed's Llama", "mean λ_first",
                                       "mean λ_self", "λ_first/λ_self per layer"], per_seed)]
+            gates = gate_rows(results.cells[cell], arm, summary["seeds"])
+            if gates:
+                tokens = ANALYSIS_SEQUENCES * results.cells[cell].config["seq_len"]
+                lines += ["", f"`{arm}` on `{cell}`: the mix g on V_0 its gates gave the first {ANALYSIS_SEQUENCES} "
+                          f"validation blocks ({tokens} tokens) at the end of training, per gated layer (the λ above "
+                          "are the mix at the gates' biases alone):", "",
+                          markdown_table(["layer", "mean g (mean ± std over seeds)",
+                                          "spread over tokens and kv heads (std, mean over seeds)",
+                                          "range (min – max, every seed)", "mean g per seed"], gates)]
     fixed = [arm for arm in results.arms if arm != BASELINE and not learns_lambdas(study.arm(arm).model)]
     if fixed:
         lines += ["", f"{', '.join(f'`{arm}`' for arm in fixed)}: fixed λ, nothing learned to show per seed."]
