@@ -10,26 +10,20 @@ their gradients. Imports only torch and transformers (copied for `trust_remote_c
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import eager_attention_forward, rotate_half
+from transformers.models.llama.modeling_llama import rotate_half
 
 
-def attend_over_shared_keys_values(
+def shared_keys_values_queries(
     attention: nn.Module,
     hidden_states: torch.Tensor,
-    shared_keys: torch.Tensor,
-    shared_values: torch.Tensor,
+    shared_keys_values: tuple[torch.Tensor | None, torch.Tensor | None],
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A consumer layer's attention: its own queries (with RoPE, as Llama applies it) over the producer's keys and
-    values, then its own `o_proj`. Returns (attention output, attention weights) like Llama's attention."""
-    if shared_keys is None or shared_values is None:
+) -> torch.Tensor:
+    """A consumer layer's own queries with RoPE as Llama applies it ([B, H_q, T, D]), after checking that the
+    producer's keys and values were handed to it."""
+    if shared_keys_values[0] is None or shared_keys_values[1] is None:
         raise ValueError(
             f"Layer {attention.layer_idx} attends over an earlier layer's keys and values (cross_layer_attention), "
             "but none were handed to it: run the whole decoder stack, not this layer alone."
@@ -38,22 +32,7 @@ def attend_over_shared_keys_values(
     query_states = attention.q_proj(hidden_states).view(*input_shape, -1, attention.head_dim).transpose(1, 2)
     cos, sin = position_embeddings
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    query_states = (query_states * cos) + (rotate_half(query_states) * sin)
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        attention.config._attn_implementation, eager_attention_forward
-    )
-    attn_output, attn_weights = attention_interface(
-        attention,
-        query_states,
-        shared_keys,
-        shared_values,
-        attention_mask,
-        dropout=0.0 if not attention.training else attention.attention_dropout,
-        scaling=attention.scaling,
-        **kwargs,
-    )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return attention.o_proj(attn_output), attn_weights
+    return (query_states * cos) + (rotate_half(query_states) * sin)
 
 
 def share_key_value_projections(attention: nn.Module, config) -> None:
@@ -66,4 +45,4 @@ def share_key_value_projections(attention: nn.Module, config) -> None:
         attention.k_proj = attention.v_proj = None
 
 
-__all__ = ["attend_over_shared_keys_values", "share_key_value_projections"]
+__all__ = ["share_key_value_projections", "shared_keys_values_queries"]

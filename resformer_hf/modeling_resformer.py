@@ -54,7 +54,7 @@ from ._compat import (
 )
 from .cache_resformer import new_dynamic_cache, share_cache_storage
 from .configuration_resformer import ResFormerConfig
-from .cross_layer_kv import attend_over_shared_keys_values, share_key_value_projections
+from .cross_layer_kv import share_key_value_projections, shared_keys_values_queries
 from .depth_weighted_average import DepthWeightedAverage
 from .loading import CheckpointChecks, modules_kept_in_float32
 from .no_grad_mixing import LayerMix, needs_value_gradients
@@ -136,15 +136,34 @@ class ResFormerAttention(LlamaAttention):
 
 class ResFormerSharedKeysValuesAttention(ResFormerAttention):
     """A cross-layer-attention consumer (`cross_layer_attention`): no `k_proj` / `v_proj`; its queries attend over the
-    keys and values of the first layer of its group, which the decoder loop hands to it."""
+    keys and values of the first layer of its group, which the decoder loop hands to it.
+
+    Its forward calls the attention interface itself, as Llama's does: vLLM's Transformers backend finds a model's
+    attention layers by reading that call in each attention class's `forward` source (and tracing it with torch.fx).
+    """
 
     def forward(self, hidden_states, residual_values, value_weights, position_embeddings=None, attention_mask=None,
                 cache=None, shared_keys_values=(None, None), **kwargs: Unpack[TransformersKwargs]):
-        keys, values = shared_keys_values
+        input_shape = hidden_states.shape[:-1]
+        query_states = shared_keys_values_queries(self, hidden_states, shared_keys_values, position_embeddings)
+        # Indexed, not unpacked: under torch.fx tracing (vLLM) the pair is one traced value.
+        key_states, value_states = shared_keys_values[0], shared_keys_values[1]
         if is_paged_cache(cache):  # the producer's K and V of these tokens, through its pages (see `paged_cache.py`)
-            keys, values = update_cache(cache, keys, values, self.layer_idx, kwargs)
-        attn_output, attn_weights = attend_over_shared_keys_values(
-            self, hidden_states, keys, values, position_embeddings, attention_mask, **kwargs)
+            key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **kwargs,
+        )
+        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
         return attn_output, attn_weights, residual_values, shared_keys_values
 
 
