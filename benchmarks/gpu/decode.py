@@ -30,7 +30,7 @@ from .training import LLAMA, SIZE, SMOKE_SIZE
 
 PART = "decode"
 CAPACITY = "capacity"
-PRIORITY = [LLAMA, "learnable_plus", "svformer", "identity", "dense", "neutreno", "learnable", "sparse"]
+PRIORITY = [LLAMA, "learnable_plus", "svformer", "identity", "gated", "dense", "neutreno", "learnable", "sparse"]
 CONTEXT, NEW_TOKENS, BATCHES = 4096, 128, (1, 32)
 SMOKE_CONTEXT, SMOKE_NEW_TOKENS, SMOKE_BATCHES = 48, 4, (1, 2)
 SEQUENCE, CB_NEW_TOKENS, LLAMA_SEQUENCES, PAGE = 8192, 256, 8, 256

@@ -33,8 +33,8 @@ SMOKE_SIZE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hid
                   num_key_value_heads=4, max_position_embeddings=64)
 BATCH, CONTEXT, SMOKE_BATCH, SMOKE_CONTEXT = 8, 2048, 2, 64
 #: Compiled in this order while time lasts: the default variant and the other headline arms first.
-PRIORITY = [LLAMA, "learnable_plus", "svformer", "identity", "dense", "neutreno", "learnable", "constant", "sparse",
-            "denseformer", "none"]
+PRIORITY = [LLAMA, "learnable_plus", "svformer", "identity", "gated", "dense", "neutreno", "learnable", "constant",
+            "sparse", "denseformer", "none"]
 GOALS = {"dense": (1.05, 1.03), "svformer": (1.0, 1.0)}
 MIXING_GOAL = (1.02, 1.005)
 TIMED_ROUNDS, SMOKE_ROUNDS = 8, 2
