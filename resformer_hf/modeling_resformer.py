@@ -68,7 +68,6 @@ from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, gather
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
 
 
-
 class ResFormerAttention(LlamaAttention):
     """Llama attention whose values come from the layer's value path (`value_paths.py`), before the cache update.
 
@@ -154,14 +153,8 @@ class ResFormerSharedKeysValuesAttention(ResFormerAttention):
             self.config._attn_implementation, eager_attention_forward
         )
         attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
         )
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
         return attn_output, attn_weights, residual_values, shared_keys_values
@@ -287,8 +280,7 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
         for layer in self.config.layers_with_value_gate:
             gate = self.base_model.layers[layer].self_attn.value_gate
             with gathered_parameters(gate):
-                mix = torch.sigmoid(gate.bias.detach().float()).mean().item() - 0.5
-            first = self.config.value_residual_lambda_first_resolved + mix
+                first = self.config.value_residual_lambda_first_resolved + gate.resting_shift()
             table[layer] = torch.tensor([first, 1.0 - first])
         return table
 

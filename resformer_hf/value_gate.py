@@ -39,6 +39,11 @@ class ValueGate(nn.Linear):
     def __init__(self, hidden_size: int, num_key_value_heads: int):
         super().__init__(hidden_size, num_key_value_heads, bias=True)
 
+    def resting_shift(self) -> float:
+        """How far the gate moves λ_first for a token whose gate input moves nothing: `σ(b_g) − 0.5`, averaged over
+        kv heads (`ResFormerPreTrainedModel.value_residual_lambdas` reports it)."""
+        return torch.sigmoid(self.bias.detach().float()).mean().item() - 0.5
+
 
 class _ProjectAndGate(torch.autograd.Function):
     """`V' = V_n + g·(V_0 − V_n)` with `V_n = h Wᵀ + b` and `g = shift + σ(h W_gᵀ + b_g)` per token and kv head: a
