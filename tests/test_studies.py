@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -186,6 +189,41 @@ def test_a_damaged_or_misnamed_run_file_is_refused_with_what_to_do(tmp_path):
     store.path(IDENTITY).write_text("{")
     with pytest.raises(SystemExit, match="not valid JSON.*move it aside"):
         store.record(IDENTITY)
+
+
+HOLDER = """
+import sys, time
+from benchmarks.studies.store import RunStore
+with RunStore(sys.argv[1]).claim({"kind": "pretrain", "seed": 0, "model": {"variant": "llama"}}) as claimed:
+    print(claimed, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_run_another_live_process_holds_is_refused_until_it_ends_however_it_ends(tmp_path):
+    store = RunStore(tmp_path)
+    with store.claim(IDENTITY) as claimed:
+        assert claimed
+        with RunStore(tmp_path).claim(IDENTITY) as again:  # a second claim, as another process's would be
+            assert not again
+        assert [p.name for p in tmp_path.iterdir()] == [f".{digest(IDENTITY)}.training"]
+    assert list(tmp_path.iterdir()) == []  # the claim's file goes with the process that made it
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        with store.claim(IDENTITY) as claimed:
+            assert not claimed
+        with store.claim({**IDENTITY, "seed": 1}) as other:  # other runs stay free
+            assert other
+        holder.kill()  # killed mid-training: its hold ends with it, and the next process trains the run
+        holder.wait(timeout=30)
+        with store.claim(IDENTITY, wait=True) as claimed:
+            assert claimed
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert [p.name for p in tmp_path.iterdir()] == [f".{digest(IDENTITY)}.training"]  # the killed one's, left
 
 
 # ---- identities: what determines a run, and nothing else -----------------------------------------------------------

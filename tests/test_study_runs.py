@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
 
+from benchmarks.common import REPO_ROOT
 from benchmarks.studies import cli, runner
 from benchmarks.studies.seed_statistics import paired_difference
 from benchmarks.studies.store import RunStore
@@ -77,6 +81,50 @@ def test_pretrain_study_end_to_end_then_resumed_without_training(where, trained)
     assert len(trained) == 8
     cli.main(argv)  # resumed: every run is stored
     assert len(trained) == 8
+
+
+HOLDER = """
+import json, sys, time
+from pathlib import Path
+from benchmarks.studies.store import RunStore
+store, record, others = RunStore(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+with store.claim(record["identity"]) as claimed:
+    print(claimed, flush=True)
+    deadline = time.monotonic() + 120
+    while len(list(store.folder.glob("*.json"))) < others and time.monotonic() < deadline:
+        time.sleep(0.1)  # "training" until the other process has trained every other run
+    store.put(record["identity"], record["result"], record["provenance"])
+"""
+
+
+def test_processes_side_by_side_share_the_runs_out(where, tmp_path, monkeypatch, capsys):
+    """The run another process is training is left to it: this one trains the others, then reads that run from the
+    store once the other process stored it. Nothing is trained twice."""
+    argv = ["run", "pretrain", *TINY_DATA, *TINY_MODEL, "--seq-len", "32", "--batch-size", "4", "--tokens", "256",
+            "--seeds", "0"]
+    identities, real = [], runner.train_from_scratch
+
+    def recording(run, data, device):
+        identities.append(run.identity)
+        return real(run, data, device)
+
+    monkeypatch.setattr(runner, "train_from_scratch", recording)
+    cli.main([*argv, "--store", str(tmp_path / "alone"), "--out", str(tmp_path / "alone-out")])
+    held = RunStore(tmp_path / "alone").record(identities[0])  # the first run this process would train
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, where[1], json.dumps(held), str(len(identities) - 1)],
+                              cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        identities.clear()
+        cli.main([*argv, *where])
+        assert holder.wait(timeout=60) == 0
+    finally:
+        holder.kill()
+    assert len(identities) == 3 and held["identity"] not in identities
+    assert "another process is training it; back to it at the end" in capsys.readouterr().out
+    assert RunStore(where[1]).record(held["identity"]) == held
+    assert "**Incomplete**" not in open(f"{where[3]}/pretrain.md").read()
 
 
 def test_context_length_study_shares_its_runs_with_the_pretrain_study(where, trained):

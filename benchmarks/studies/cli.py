@@ -3,6 +3,7 @@
     python -m benchmarks.studies list                                   # the studies, and how many runs are stored
     nice -n 19 python -m benchmarks.studies run pretrain --threads 1    # train what is missing, then write the report
     nice -n 19 python -m benchmarks.studies run lr_sweep --threads 1 --lrs 6e-3 --seeds 2   # a part, side by side
+    nice -n 19 python -m benchmarks.studies run tuned_seeds --threads 1 &  # twice: the two share the runs out
     python -m benchmarks.studies report context_length                  # rewrite the report from the stored runs
     python -m benchmarks.studies run pretrain --device cuda             # on a GPU (float32; runs stored as cuda runs)
     python -m benchmarks.studies migrate                                # the per-study stores of before → the store

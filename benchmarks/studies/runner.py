@@ -1,5 +1,5 @@
 """Trains the runs a study's plan needs and the store lacks, one at a time, each saved as soon as it finishes (an
-interrupted study resumes where it stopped; processes given different seeds or cells run side by side)."""
+interrupted study resumes where it stopped; processes side by side share the work out run by run, `store.claim`)."""
 
 from __future__ import annotations
 
@@ -94,23 +94,42 @@ class Progress:
 
 def train_missing(runs: list[PlannedRun], store: RunStore, device: torch.device, command: str, *,
                   fresh: bool = False) -> int:
-    """Train every planned run the store lacks (`fresh`: every planned run again); returns how many were trained."""
+    """Train every planned run the store lacks (`fresh`: every planned run again); returns how many were trained.
+
+    A run that another process is training is left to it and come back to at the end: read from the store if that
+    process stored it, trained here if it died."""
     todo = [run for run in runs if fresh or run.identity not in store]
-    progress, datasets, trained = Progress(todo), {}, 0
+    progress, datasets, trained, held_elsewhere = Progress(todo), {}, 0, []
+
+    def train_one(run: PlannedRun, wait: bool) -> int | None:
+        """1 when trained here, 0 when found stored, None when another process holds it (only if not `wait`)."""
+        with store.claim(run.identity, wait=wait) as claimed:
+            if not claimed:
+                return None
+            if not fresh and run.identity in store:  # another process finished it meanwhile
+                print(f"{run.label}: done, skipped", flush=True)
+                return 0
+            data_key = repr(sorted(run.identity["data"].items()))
+            if data_key not in datasets:
+                datasets.clear()  # one corpus in memory at a time
+                datasets[data_key] = load_data(run.settings)
+            data, description = datasets[data_key]
+            print(f"training {run.label}", flush=True)
+            result = train_from_scratch(run, data, device)
+            provenance = {"environment": environment_line(device), "data": description, "command": command}
+            if not store.put(run.identity, result, provenance, replace=fresh):
+                print(f"{run.label}: another process stored it first; its run is kept", flush=True)
+            return 1
+
     for run in todo:
-        if not fresh and run.identity in store:  # another process finished it meanwhile
-            print(f"{run.label}: done, skipped", flush=True)
-            progress.finished(run)
+        outcome = train_one(run, wait=False)
+        if outcome is None:
+            print(f"{run.label}: another process is training it; back to it at the end", flush=True)
+            held_elsewhere.append(run)
             continue
-        data_key = repr(sorted(run.identity["data"].items()))
-        if data_key not in datasets:
-            datasets = {data_key: load_data(run.settings)}  # one corpus in memory at a time
-        data, description = datasets[data_key]
-        print(f"training {run.label}", flush=True)
-        result = train_from_scratch(run, data, device)
-        provenance = {"environment": environment_line(device), "data": description, "command": command}
-        if not store.put(run.identity, result, provenance, replace=fresh):
-            print(f"{run.label}: another process stored it first; its run is kept", flush=True)
-        trained += 1
+        trained += outcome
+        progress.finished(run)
+    for run in held_elsewhere:
+        trained += train_one(run, wait=True)
         progress.finished(run)
     return trained

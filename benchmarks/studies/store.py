@@ -2,8 +2,9 @@
 digest of everything that determines the run (its identity: data, model, budget, seed, device, code version).
 
 A study asks for the runs its declaration implies; whichever study trained a run first, every other that asks for the
-same identity reads it instead of training it again. Several processes may fill the store side by side (one per seed
-or per cell): each run is written whole under its own name, and the first process to finish a run keeps it.
+same identity reads it instead of training it again. Several processes may fill the store side by side, given the same
+study or different parts of it: a process claims a run before training it (a lock that dies with the process), so the
+others train other runs meanwhile; each run is written whole under its own name, and the first one stored is kept.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: no claims, processes side by side may train a run twice (the first is kept)
+    fcntl = None
 
 from benchmarks.common import REPO_ROOT, RESULTS_DIR
 
@@ -63,6 +71,37 @@ class RunStore:
             if "seed" in stored and {k: v for k, v in stored.items() if k != "seed"} == rest:
                 seeds.add(stored["seed"])
         return seeds
+
+    @contextmanager
+    def claim(self, identity: dict, *, wait: bool = False) -> Iterator[bool]:
+        """Hold the run while training it: yields False when another live process holds it (`wait`: block until it
+        lets go, then True). The hold is an advisory lock on `.<digest>.training`, so it ends with the process however
+        that ends (a killed run is trained again by the next process that asks); the file is removed by the process
+        that made it. Check the store again once it yields True: the holder may have stored the run meanwhile."""
+        if fcntl is None:
+            yield True
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f".{digest(identity)}.training"
+        try:
+            descriptor, made_it = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
+        except FileExistsError:
+            descriptor, made_it = os.open(path, os.O_RDWR | os.O_CREAT), False
+        try:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            os.ftruncate(descriptor, 0)
+            os.write(descriptor, f"{os.getpid()}\n".encode())  # who holds it, for a person looking
+            try:
+                yield True
+            finally:
+                if made_it:
+                    path.unlink(missing_ok=True)  # before letting go, so no later process locks a file being removed
+        finally:
+            os.close(descriptor)
 
     def __contains__(self, identity: dict) -> bool:
         return self.path(identity).is_file()
