@@ -46,7 +46,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
         "gated", "the data-dependent mix (`gated`: a learned gate per token and kv head) against learnable_plus and "
         "Llama at the tuned settings, both corpora; where do the gates end up?",
         report="paired", arms=(Arm(BASELINE), Arm("learnable_plus"), Arm("gated")), settings=CONTEXT_512,
-        grid=Grid("corpora", "corpus", ("english", "python-stdlib")),
+        seeds=tuple(range(10)), grid=Grid("corpora", "corpus", ("english", "python-stdlib")),
     ),
     Study(
         "baselines", "DenseFormer and NeuTRENO next to ResFormer; SVFormer next to GQA, CLA and SVFormer × CLA",

@@ -15,7 +15,7 @@ from benchmarks.common import BASELINE, markdown_table, pyplot
 from benchmarks.studies.reports.seeds import complete_seeds, fewer_tokens, save, summarize
 from benchmarks.studies.results import CellRuns, Results
 from benchmarks.studies.runner import ANALYSIS_SEQUENCES
-from benchmarks.studies.seed_statistics import spread
+from benchmarks.studies.seed_statistics import paired_difference, spread
 
 
 def learns_lambdas(variant: str) -> bool:
@@ -42,6 +42,20 @@ def seed_rows(cell: CellRuns, arm: str, seeds: list[int]) -> tuple[list[list[str
     if not correlations:
         return rows, ""
     return rows, "; correlation over seeds of Δ with the mean " + ", with the mean ".join(correlations)
+
+
+def head_to_head_rows(summaries: dict, results: Results) -> tuple[str, list[list[str]]]:
+    """The first non-Llama arm (the one a study puts the others next to, e.g. the default) against each later arm,
+    paired by seed as against Llama; no rows with fewer than two such arms."""
+    reference, *others = [arm for arm in results.arms if arm != BASELINE]
+    rows = []
+    for cell, summary in summaries.items():
+        seeds, runs = summary["seeds"], results.cells[cell]
+        for arm in others:
+            d = paired_difference([runs[f"{arm}/seed{s}"]["final_val_loss"] for s in seeds],
+                                  [runs[f"{reference}/seed{s}"]["final_val_loss"] for s in seeds])
+            rows.append([f"`{cell}`", f"`{arm}`", d.describe(), f"{d.negative}/{d.n} seeds lower; {d.verdict()}"])
+    return reference, rows
 
 
 def gate_rows(cell: CellRuns, arm: str, seeds: list[int]) -> list[list[str]]:
@@ -101,6 +115,11 @@ def render(results: Results) -> Path | None:
         "excludes 0. *Fewer tokens* is the paper's metric, `1 − tokens_to_reach(arm curve, Llama's final loss) / "
         "budget`, per seed.",
     ]
+    reference, head_to_head = head_to_head_rows(summaries, results)
+    if head_to_head:
+        lines += ["", f"Head to head with `{reference}`, paired by seed the same way:", "",
+                  markdown_table(["corpus", "model", f"Δ vs `{reference}`, paired (mean ± std [95% t-interval])",
+                                  "seed noise check"], head_to_head)]
     for cell, summary in summaries.items():
         for arm in results.arms:
             if arm == BASELINE or not learns_lambdas(study.arm(arm).model):
@@ -147,5 +166,5 @@ def plot(summaries: dict, arms: list[str], path: Path) -> None:
         axes.axhline(0, color="black", lw=1)
         axes.set_xticks(range(len(others)), others)
         axes.set(ylabel="final val loss − same seed's Llama",
-                 title=f"{cell}: per seed, and the mean with its 95% t-interval ({len(summary['seeds'])} seeds)")
+                 title=f"{cell}: each seed; mean, 95% t-interval ({len(summary['seeds'])} seeds)")
     save(plt, figure, panels[0], path, legend=False)
