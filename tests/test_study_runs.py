@@ -228,7 +228,8 @@ def test_paired_report_over_every_seed_with_each_seeds_lambdas(where, tmp_path):
         assert f"{d.negative}/3 seeds lower; {d.verdict()}" in table
         head_to_head = paired_difference([finals["svformer", s] for s in (0, 1, 12)],
                                          [finals["learnable_plus", s] for s in (0, 1, 12)])
-        assert f"| `{corpus}` | `svformer` | {head_to_head.describe()} | {head_to_head.negative}/3 seeds lower" in table
+        row = f"| `{corpus}` | `svformer` | {head_to_head.describe()} | {head_to_head.negative}/3 seeds lower"
+        assert row in table
     assert "Head to head with `learnable_plus`" in table
     assert table.count("λ_first/λ_self per layer") == 2 and "correlation over seeds" in table
     assert "`svformer`: fixed λ" in table and "**Incomplete**" in table  # 3 of the declared 10 seeds
