@@ -130,6 +130,7 @@ def train_missing(runs: list[PlannedRun], store: RunStore, device: torch.device,
         trained += outcome
         progress.finished(run)
     for run in held_elsewhere:
+        print(f"{run.label}: waiting for the process training it (trained here if that process dies)", flush=True)
         trained += train_one(run, wait=True)
         progress.finished(run)
     return trained
