@@ -17,7 +17,7 @@ import torch
 from benchmarks.common import REPO_ROOT, RESULTS_DIR
 from benchmarks.studies import catalogue, cli, plan
 from benchmarks.studies.data import batch_order
-from benchmarks.studies.migrate import OLD_STORES, migrate
+from benchmarks.studies.migrate import migrate
 from benchmarks.studies.reports import seeds as seeds_report
 from benchmarks.studies.reports import sizes as sizes_report
 from benchmarks.studies.results import CellRuns
@@ -311,17 +311,6 @@ def test_every_committed_study_report_regenerates_byte_for_byte_from_the_store(n
     number comes from the store (after new runs, rerun `python -m benchmarks.studies report NAME`)."""
     cli.main(["report", name, "--out", str(tmp_path)])
     assert (tmp_path / f"{name}.md").read_text() == (RESULTS_DIR / f"{name}.md").read_text()
-
-
-def test_the_old_stores_still_in_the_results_are_migrated(tmp_path):
-    """Old per-study stores left in `benchmarks/results/` (filled by old-style processes) hold no run the store
-    lacks: `python -m benchmarks.studies migrate` has been run since they last changed."""
-    old = [p for pattern, _ in OLD_STORES for p in RESULTS_DIR.glob(pattern)]
-    if not old:
-        pytest.skip("no per-study store of before is left in benchmarks/results/")
-    copy = shutil.copytree(DEFAULT_STORE, tmp_path / "runs")
-    counts = migrate(RESULTS_DIR, RunStore(copy))
-    assert counts["added"] == 0 and counts["differ (stored one kept)"] == 0, counts
 
 
 # ---- migration from the per-study stores of before -----------------------------------------------------------------
