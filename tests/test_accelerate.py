@@ -14,6 +14,8 @@ import re
 import socket
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,23 +111,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_data_parallel_trainer_matches_a_single_process(tmp_path):
-    """`accelerate launch` with 2 CPU processes (torchrun + gloo) vs one process with the same global batch of 4.
-
-    accelerate 1.x's `--cpu --num_processes 2` starts ONE process (multi-CPU needs mpirun); `--multi_gpu` on a
-    machine without GPUs starts two through torchrun, and the Trainer's `use_cpu=True` keeps them on CPU with gloo.
-    """
+def launch_two_processes(output_dir) -> subprocess.CompletedProcess:
+    """`resformer_hf.examples.finetune` under `accelerate launch`, 2 processes, on a fresh port."""
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
         "--main_process_port", str(free_port()),
         "-m", "resformer_hf.examples.finetune",
-        "--output-dir", str(tmp_path / "dp"), "--max-steps", "6", "--batch-size", "2",
+        "--output-dir", str(output_dir), "--max-steps", "6", "--batch-size", "2",
     ]
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    parallel = json.loads((tmp_path / "dp" / "losses.json").read_text())
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+
+
+#: How torchrun reports a worker that gloo's C++ aborted (`terminate called without an active exception`, SIGABRT):
+#: seen once in CI's full suite, with other distributed tests on the same 2 cores, never when run alone (0 of 10, also
+#: under a 3-process CPU load). A Python error in our code exits 1 and is never retried.
+NATIVE_ABORT = re.compile(r"exitcode\s*:\s*-6\b")
+
+
+def test_data_parallel_trainer_matches_a_single_process(tmp_path):
+    """`accelerate launch` with 2 CPU processes (torchrun + gloo) vs one process with the same global batch of 4.
+
+    accelerate 1.x's `--cpu --num_processes 2` starts ONE process (multi-CPU needs mpirun); `--multi_gpu` on a
+    machine without GPUs starts two through torchrun, and the Trainer's `use_cpu=True` keeps them on CPU with gloo.
+    A run whose worker gloo aborted natively is launched once more (with a warning), see `NATIVE_ABORT`.
+    """
+    result = launch_two_processes(tmp_path / "dp")
+    if result.returncode != 0 and NATIVE_ABORT.search(result.stderr):
+        warnings.warn(f"a gloo worker aborted natively; launched again. Its log: {result.stderr[-2000:]}",
+                      stacklevel=1)
+        result = launch_two_processes(tmp_path / "dp-again")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    output_dir = Path(result.args[result.args.index("--output-dir") + 1])
+    parallel = json.loads((output_dir / "losses.json").read_text())
 
     finetune.main(["--output-dir", str(tmp_path / "single"), "--max-steps", "6", "--batch-size", "4"])
     single = json.loads((tmp_path / "single" / "losses.json").read_text())
