@@ -29,15 +29,10 @@ from resformer_hf.paged_cache import StoredKeysValuesAllocator
 
 from benchmarks import common
 from benchmarks.common import BASELINE, RESULTS_DIR, add_device_args, build_model, setup_device
+from benchmarks.serving.kv_cache_shares import KV_CACHE_SHARES
 
-#: name: (value_residual, extra config fields, share of the Llama's bytes per token as a function of L)
-MODELS = {
-    BASELINE: (BASELINE, {}, lambda layers: 1.0),
-    "svformer": ("svformer", {}, lambda layers: (layers + 1) / (2 * layers)),
-    "cla2": ("none", {"cross_layer_attention": 2}, lambda layers: 0.5),
-    "svformer_cla2": ("svformer", {"cross_layer_attention": 2}, lambda layers: (layers / 2 + 1) / (2 * layers)),
-}
-GOALS = {BASELINE: "1", "svformer": "(L+1)/(2L)", "cla2": "1/2", "svformer_cla2": "(L/2+1)/(2L)"}
+#: name: (config fields, share of the Llama's bytes per token as a formula and as a function of L)
+MODELS = {BASELINE: (dict(value_residual=BASELINE), "1", lambda layers: 1.0), **KV_CACHE_SHARES}
 PROMPT_LENGTHS = (5, 23, 61, 12)
 
 
@@ -102,9 +97,10 @@ def main() -> None:
     budget = int(args.budget_mib * 2**20)
     rows = []
     llama = None
-    for name, (variant, fields, share) in MODELS.items():
+    for name, (fields, formula, share) in MODELS.items():
+        fields = dict(fields)
         torch.manual_seed(args.seed)
-        model = build_model(variant, device, **size, **fields).eval()
+        model = build_model(fields.pop("value_residual"), device, **size, **fields).eval()
         paged = paged_bytes_per_token(model.config, args.num_blocks, torch.float32, device)
         with stock_allocator():
             stock = paged_bytes_per_token(model.config, args.num_blocks, torch.float32, device)
@@ -112,7 +108,7 @@ def main() -> None:
         llama = llama or (dense, paged, stock)
         goal = share(args.layers)
         rows.append([name, f"{dense:,.0f}", f"{paged:,.0f}", f"{stock:,.0f}",
-                     f"{GOALS[name]} = {goal:.4f}", f"{dense / llama[0]:.4f}", f"{paged / llama[1]:.4f}",
+                     f"{formula} = {goal:.4f}", f"{dense / llama[0]:.4f}", f"{paged / llama[1]:.4f}",
                      f"{stock / llama[2]:.4f}", f"{budget // paged:,.0f}", f"{llama[1] / paged:.3f}x",
                      greedy_equal(model, prompts, args.new_tokens)])
     mib = f"{args.budget_mib:g} MiB"

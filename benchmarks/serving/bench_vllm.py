@@ -33,17 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.serving.kv_cache_shares import KV_CACHE_SHARES
+
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "vllm.md"
 KV_RESULTS = Path(__file__).resolve().parents[1] / "results" / "vllm_kv_cache.md"
 MODELS = ("llama", "learnable_plus", "svformer", "cla2", "svformer_cla2", "llama_2")
 #: ResFormer models: config fields, and their ideal KV bytes per token over a Llama's as a function of L.
-RESFORMERS = {
-    "learnable_plus": (dict(value_residual="learnable_plus"), "1", lambda layers: 1.0),
-    "svformer": (dict(value_residual="svformer"), "(L+1)/(2L)", lambda layers: (layers + 1) / (2 * layers)),
-    "cla2": (dict(value_residual="none", cross_layer_attention=2), "1/2", lambda layers: 0.5),
-    "svformer_cla2": (dict(value_residual="svformer", cross_layer_attention=2), "(L/2+1)/(2L)",
-                      lambda layers: (layers / 2 + 1) / (2 * layers)),
-}
+RESFORMERS = {"learnable_plus": (dict(value_residual="learnable_plus"), "1", lambda layers: 1.0), **KV_CACHE_SHARES}
 
 
 def build_folders(root: Path, size: dict) -> dict[str, Path]:
