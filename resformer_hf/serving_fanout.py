@@ -29,10 +29,15 @@ def part_bodies(body: dict, prompts: list[Any] | None, n: int) -> list[dict]:
 def _part_scope(scope: dict, body: bytes, request_id: str) -> dict:
     """The scope of one part: its own body length, request id (the server keys its requests by it) and request
     state (uvicorn hands every request a `state` dict, where the server keeps the request id)."""
-    dropped = (b"content-length", b"x-request-id")
-    headers = [(key, value) for key, value in scope.get("headers", []) if key.lower() not in dropped]
-    headers += [(b"content-length", str(len(body)).encode()), (b"x-request-id", request_id.encode())]
+    headers = with_length(scope.get("headers", []), body, dropped=(b"content-length", b"x-request-id"))
+    headers.append((b"x-request-id", request_id.encode()))
     return {**scope, "headers": headers, "state": dict(scope.get("state") or {})}
+
+
+def with_length(headers: list, body: bytes, dropped: tuple[bytes, ...] = (b"content-length",)) -> list:
+    """`headers` without those named in `dropped` (lower case), then the content-length of `body`."""
+    kept = [(key, value) for key, value in headers if key.lower() not in dropped]
+    return [*kept, (b"content-length", str(len(body)).encode())]
 
 
 def request_id(scope: dict) -> str:
@@ -70,8 +75,10 @@ async def answer(send: Callable, status: int, headers: list, body: bytes) -> Non
     await send({"type": "http.response.body", "body": body})
 
 
-def _json_headers(body: bytes) -> list:
-    return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+async def answer_json(send: Callable, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await answer(send, status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                 body)
 
 
 async def fan_out(app: App, scope: dict, receive: Callable, send: Callable, parts: list[dict], n: int,
@@ -134,8 +141,7 @@ async def _fail_with(queue: asyncio.Queue, parts: list[_Part], failed: _Part, se
     while not failed.done:
         await _next(queue, parts)
     body = b"".join(failed.chunks)
-    headers = [(key, value) for key, value in failed.headers if key.lower() != b"content-length"]
-    await answer(send, failed.status, [*headers, (b"content-length", str(len(body)).encode())], body)
+    await answer(send, failed.status, with_length(failed.headers, body), body)
 
 
 async def _merge_json(queue: asyncio.Queue, count: int, n: int, send: Callable, merged_id: str) -> None:
@@ -152,8 +158,7 @@ async def _merge_json(queue: asyncio.Queue, count: int, n: int, send: Callable, 
     usages = [reply.get("usage") for reply in answers]
     if all(usages):
         merged["usage"] = _total_usage(usages, n)
-    body = json.dumps(merged).encode()
-    await answer(send, 200, _json_headers(body), body)
+    await answer_json(send, 200, merged)
 
 
 def _total_usage(usages: list[dict], n: int) -> dict:
@@ -234,4 +239,4 @@ def _renumbered(event: bytes, index: int) -> tuple[dict | None, dict | None]:
     return chunk, usage
 
 
-__all__ = ["call_app", "fan_out", "part_bodies"]
+__all__ = ["answer_json", "call_app", "fan_out", "part_bodies", "with_length"]

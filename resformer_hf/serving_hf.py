@@ -50,7 +50,7 @@ from .serving_checks import (
     out_of_vocabulary,
     text_messages,
 )
-from .serving_fanout import answer, fan_out, part_bodies
+from .serving_fanout import answer_json, fan_out, part_bodies, with_length
 
 PLUGIN_CLASSES = (
     ResFormerModel,
@@ -114,7 +114,7 @@ class RequestChecks:
         facts = await self._model_facts()
         plan = await asyncio.to_thread(check_request, scope["path"], raw, facts)
         if isinstance(plan, str):
-            await _answer_json(send, 400, {"error": {"message": plan, "type": "invalid_request_error"}})
+            await answer_json(send, 400, {"error": {"message": plan, "type": "invalid_request_error"}})
             return
         if plan is None:  # not a JSON object: the app's own answer
             await self.app(scope, _replay(messages, receive), send)
@@ -125,7 +125,8 @@ class RequestChecks:
                           bool(plan.body.get("stream")))
             return
         body = json.dumps(plan.body).encode()
-        await self.app(_with_length(scope, body), _replay([{"type": "http.request", "body": body}], receive), send)
+        scope = {**scope, "headers": with_length(scope.get("headers", []), body)}
+        await self.app(scope, _replay([{"type": "http.request", "body": body}], receive), send)
 
     async def _model_facts(self) -> ModelFacts:
         async with self._facts_lock:
@@ -270,17 +271,6 @@ def _replay(messages: list[dict], receive: Callable) -> Callable:
         return pending.pop(0) if pending else await receive()
 
     return replayed
-
-
-def _with_length(scope: dict, body: bytes) -> dict:
-    headers = [(key, value) for key, value in scope.get("headers", []) if key.lower() != b"content-length"]
-    return {**scope, "headers": [*headers, (b"content-length", str(len(body)).encode())]}
-
-
-async def _answer_json(send: Callable, status: int, payload: dict) -> None:
-    body = json.dumps(payload).encode()
-    await answer(send, status, [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())], body)
 
 
 @contextlib.contextmanager
