@@ -146,7 +146,7 @@ def update_cache(cache: Cache, key_states, value_states, layer_idx: int, kwargs:
     """`Cache.update` as this release's Llama attention calls it (5.24 also hands the layer the attention kwargs)."""
     if CACHE_RENAMED:
         return cache.update(key_states, value_states, layer_idx, kwargs=kwargs)
-    if isinstance(cache, _paged_cache_class()):
+    if is_paged_cache(cache):
         # 5.19-5.23 continuous batching hands its paged cache to the attention function as the keyword `cache`
         # (which the layer's `cache` argument caught): the paged attention function updates it, with its kwargs.
         kwargs["cache"] = cache
