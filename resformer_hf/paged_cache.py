@@ -32,13 +32,13 @@ from transformers.generation.continuous_batching import cache as paged_cache
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
 
-def storing_layers(config: Any, layer_indices: list[int]) -> list[int]:
-    """The layers of `layer_indices` that store keys and values: all, or with cross-layer attention the first layer of
-    each group (when every consumer's producer is among them)."""
+def consumer_producers(config: Any, layer_indices: list[int]) -> dict[int, int]:
+    """With cross-layer attention, each consumer among `layer_indices` and the producer (the first layer of its group)
+    whose pages it reads and writes; none unless every consumer's producer is among them. The rest store their own."""
     sources = getattr(config, "key_value_source_layers", None)
     if not sources or any(sources[layer] not in layer_indices for layer in layer_indices):
-        return list(layer_indices)
-    return [layer for layer in layer_indices if sources[layer] == layer]
+        return {}
+    return {layer: sources[layer] for layer in layer_indices if sources[layer] != layer}
 
 
 def reads_first_layer_values(config: Any, layer_indices: list[int]) -> bool:
@@ -53,18 +53,16 @@ class StoredKeysValuesAllocator(FullAttentionCacheAllocator):
 
     def __init__(self, index: int, config: Any, num_key_value_heads: int, cache_dtype: torch.dtype, page_size: int,
                  layer_indices: list[int], allow_block_sharing: bool) -> None:
-        self.storing = storing_layers(config, layer_indices)
-        sources = getattr(config, "key_value_source_layers", None)
-        #: consumer layer -> the producer whose pages it reads and writes
-        self.producers = {layer: sources[layer] for layer in layer_indices if layer not in self.storing}
+        self.producers = consumer_producers(config, layer_indices)  #: consumer layer -> producer
+        storing = [layer for layer in layer_indices if layer not in self.producers]
         super().__init__(index=index, config=config, num_key_value_heads=num_key_value_heads,
-                         cache_dtype=cache_dtype, page_size=page_size, layer_indices=self.storing,
+                         cache_dtype=cache_dtype, page_size=page_size, layer_indices=storing,
                          allow_block_sharing=allow_block_sharing)
-        self.values_once = reads_first_layer_values(config, self.storing) and len(self.storing) > 1
+        self.values_once = reads_first_layer_values(config, storing) and len(storing) > 1
         if not self.values_once:
             return
         # A block is len(storing) keys pages + 1 values page, each of `page_size` rows of [kv heads, head dim].
-        half_pages = len(self.storing) + 1
+        half_pages = len(storing) + 1
         self.pages_per_block = half_pages
         self.bytes_per_page = self.bytes_per_page // 2
         self.bytes_per_block = self.bytes_per_page * half_pages
@@ -113,4 +111,4 @@ def install() -> None:
         registry[full] = StoredKeysValuesAllocator
 
 
-__all__ = ["StoredKeysValuesAllocator", "install", "reads_first_layer_values", "storing_layers"]
+__all__ = ["StoredKeysValuesAllocator", "install", "consumer_producers", "reads_first_layer_values"]
