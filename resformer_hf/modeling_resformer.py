@@ -57,11 +57,10 @@ from .configuration_resformer import ResFormerConfig
 from .cross_layer_kv import share_key_value_projections, shared_keys_values_queries
 from .depth_weighted_average import DepthWeightedAverage
 from .loading import CheckpointChecks, modules_kept_in_float32
-from .no_grad_mixing import LayerMix, needs_value_gradients
 from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, is_pipeline_stage
 from .peft_support import register_peft_target_modules
-from .value_gate import ValueGate
-from .value_paths import value_path_for
+from .value_mixing import ValueGate, compute_dtype
+from .value_paths import needs_value_gradients, value_path_for
 from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, gathered_parameters
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
@@ -69,12 +68,8 @@ register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKP
 
 
 class ResFormerAttention(LlamaAttention):
-    """Llama attention whose values come from the layer's value path (`value_paths.py`), before the cache update.
-
-    The path is chosen once, from the layer's role in the variant (`VARIANTS`), as transformers chooses an attention
-    function: it mixes layer 0's values in (ResFormer), reuses them (SVFormer: no `v_proj`), or corrects the attention
-    output with them (NeuTRENO), and hands on what later layers read.
-    """
+    """Llama attention whose values come from the layer's value path (`value_paths.py`), before the cache update:
+    chosen once from the layer's role, as transformers chooses an attention function. # main diff with Llama"""
 
     def __init__(self, config: ResFormerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -86,11 +81,13 @@ class ResFormerAttention(LlamaAttention):
         self,
         hidden_states: torch.Tensor,
         residual_values: torch.Tensor | None,
-        value_weights: torch.Tensor | LayerMix,
+        lambda_first: torch.Tensor | float | None,
+        lambda_self: torch.Tensor | float | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         shared_keys_values: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+        value_gradients: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple]:
         """Returns (attention output, attention weights, what later layers read of the values (`residual_values`),
@@ -100,7 +97,8 @@ class ResFormerAttention(LlamaAttention):
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states, residual_values, kept = self.value_path(self, hidden_states, residual_values, value_weights)
+        value_states, residual_values, kept = self.value_path(self, hidden_states, residual_values, lambda_first,
+                                                              lambda_self, value_gradients)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -129,7 +127,7 @@ class ResFormerAttention(LlamaAttention):
         # Llama's reshape and o_proj; NeuTRENO adds its correction first. Attention returns [B, T, H_q, D] here,
         # [T, H_q·D] in vLLM.
         attn_output = self.value_path.project_output(self, attn_output, input_shape, residual_values, kept,
-                                                     value_weights)
+                                                     value_gradients)
         return attn_output, attn_weights, residual_values, handed_on
 
 
@@ -141,8 +139,9 @@ class ResFormerSharedKeysValuesAttention(ResFormerAttention):
     attention layers by reading that call in each attention class's `forward` source (and tracing it with torch.fx).
     """
 
-    def forward(self, hidden_states, residual_values, value_weights, position_embeddings=None, attention_mask=None,
-                cache=None, shared_keys_values=(None, None), **kwargs: Unpack[TransformersKwargs]):
+    def forward(self, hidden_states, residual_values, lambda_first, lambda_self, position_embeddings=None,
+                attention_mask=None, cache=None, shared_keys_values=(None, None), value_gradients=False,
+                **kwargs: Unpack[TransformersKwargs]):
         input_shape = hidden_states.shape[:-1]
         query_states = shared_keys_values_queries(self, hidden_states, shared_keys_values, position_embeddings)
         # Indexed, not unpacked: under torch.fx tracing (vLLM) the pair is one traced value.
@@ -161,11 +160,9 @@ class ResFormerSharedKeysValuesAttention(ResFormerAttention):
 
 
 class ResFormerDecoderLayer(GradientCheckpointingLayer):
-    """Llama's pre-norm decoder layer that also passes the residual values on to the next layer.
-
-    `residual_values` and `value_weights` are positional so that reentrant gradient checkpointing propagates their
-    gradients; the updated `residual_values` are returned next to the hidden states.
-    """
+    """Llama's pre-norm decoder layer that also passes the residual values on to the next layer. They and the layer's
+    λ (`lambda_first`, `lambda_self`) are positional, so that reentrant gradient checkpointing propagates their
+    gradients."""
 
     def __init__(self, config: ResFormerConfig, layer_idx: int):
         super().__init__()
@@ -177,15 +174,15 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # Cross-layer attention: whether the next layer attends over this layer's K and V (else none are handed on, so
-        # that no layer keeps another's K and V alive for longer than needed).
+        # Cross-layer attention: whether the next layer attends over this layer's K and V (else none are handed on)
         self.hands_on_keys_values = self.self_attn.hands_on_keys_values
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         residual_values: torch.Tensor | None,
-        value_weights: torch.Tensor | LayerMix,
+        lambda_first: torch.Tensor | float | None = None,
+        lambda_self: torch.Tensor | float | None = None,
         shared_keys: torch.Tensor | None = None,
         shared_values: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
@@ -193,6 +190,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        value_gradients: bool = False,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
@@ -200,13 +198,15 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         hidden_states, _, residual_values, (shared_keys, shared_values) = self.self_attn(
             hidden_states,
             residual_values,
-            value_weights,
+            lambda_first,
+            lambda_self,
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             shared_keys_values=(shared_keys, shared_values),
+            value_gradients=value_gradients,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -255,16 +255,13 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, DepthWeightedAverage):
-            init.zeros_(module.weight_offset)
-        if isinstance(module, ValueGate):  # the mix starts at the config's g0 for every token
-            init.zeros_(module.weight)
-            init.zeros_(module.bias)
-        if isinstance(module, ValueResidual):
+        if isinstance(module, (ValueResidual, DepthWeightedAverage, ValueGate)):  # offsets and gates start at zero
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
-            if module.fixed_weights is not None:
-                init.copy_(module.fixed_weights, module.mixing_weights(module.fixed_weights.device))
+        if isinstance(module, (ValueResidual, DepthWeightedAverage)):  # buffers a meta-device build left empty
+            for buffer, fresh in zip((module.initial, module.mask), module.initial_buffers(module.initial.device)):
+                if buffer is not None:
+                    init.copy_(buffer, fresh)
 
     def value_residual_lambdas(self) -> torch.Tensor:
         """Effective (λ_first, λ_self) of every layer, float32 [num_hidden_layers, 2].
@@ -349,16 +346,22 @@ class ResFormerModel(ResFormerPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        inference = not needs_value_gradients(self, inputs_embeds)
-        value_weights = self.value_residual(inference=inference)
+        value_gradients = needs_value_gradients(self, inputs_embeds)
+        if value_gradients:  # one λ table for every layer, cast once to the values' dtype
+            lambdas = self.value_residual.rows(self.value_residual(), compute_dtype(inputs_embeds))
+        else:
+            lambdas = self.value_residual(inference=True)
         residual_values = shared_keys = shared_values = None
-        stream = self.depth_weighted_average.begin(hidden_states, inference) if self.depth_weighted_average else None
+        stream = None
+        if self.depth_weighted_average is not None:  # DenseFormer: block 1 reads X_0 from the stream's buffer
+            stream = self.depth_weighted_average.begin(hidden_states, inference=not value_gradients)
+            inputs_embeds = hidden_states = stream.first  # the buffer's row: the embeddings are kept once
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, residual_values, shared_keys, shared_values = decoder_layer(
                 hidden_states,
                 residual_values,
-                value_weights[decoder_layer.layer_idx],
+                *lambdas[decoder_layer.layer_idx],
                 shared_keys,
                 shared_values,
                 attention_mask=causal_mask,
@@ -366,6 +369,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
+                value_gradients=value_gradients,
                 **kwargs,
             )
             if stream is not None:

@@ -5,7 +5,7 @@ layer gets its value path from `VALUE_PATHS` by the role its config gives it (`V
 `configuration_resformer.py`). A path says which values the layer attends over (before the KV cache update), what it
 hands on to later layers, and (NeuTRENO) what it adds to the attention output, in both kinds of forward pass:
 
-- with a gradient, through the fused functions of `fused_mixing.py`, which keep training memory at Llama's;
+- with a gradient, through the fused functions of `value_mixing.py`, which keep training memory at Llama's;
 - without one (decoding, evaluation, serving), on v_proj's output, with the per-layer `LayerMix` of
   `ValueResidual(inference=True)`: λ as Python numbers where they read for free (the mix then folds into v_proj's
   GEMM), else as tensors.
@@ -16,21 +16,52 @@ A variant is one path class here plus its `VARIANTS` entry. Imports only torch, 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .configuration_resformer import CORRECT, GATE, MIX, MIX_ALL, PLAIN, REUSE, ResFormerConfig
-from .fused_mixing import (
+from .configuration_resformer import CORRECT, FIXED, GATE, MIX, MIX_ALL, PLAIN, REUSE, ResFormerConfig
+from .value_mixing import (
+    ValueGate,
     corrected_output_projection,
     dense_values,
+    gated_values,
     is_plain_linear,
     plain_linear_weight,
-    project_and_mix_first,
+    project_and_gate,
+    project_and_mix,
 )
-from .no_grad_mixing import BATCHED_SCALING_MAX_TOKENS, LayerMix, ScaledPerReceiver
-from .value_gate import ValueGate, gated_values, project_and_gate
-from .value_residual import fixed_value_weights
+
+#: Up to this many tokens per forward pass (a decode step, a speculative draft) layer 0 scales V_0 for all R receivers
+#: in one op; beyond it (a prompt's prefill) each receiver scales V_0 when it runs, so that prefill holds one scaled
+#: copy of V_0 at a time instead of R (R·B·H_kv·T·D elements: more than the cache's values for long prompts).
+BATCHED_SCALING_MAX_TOKENS = 16
+
+
+class ScaledPerReceiver(NamedTuple):
+    """λ_first[r]·V_0 for receiver r, computed when receiver r asks for it (long inputs; see above)."""
+
+    values: torch.Tensor  #: V_0 [B, H_kv, T, D]
+    first: tuple[torch.Tensor, ...]  #: one [1, 1, 1, 1] λ_first per receiver, in the values' dtype
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        return self.values * self.first[row]
+
+
+def needs_value_gradients(model: nn.Module, inputs_embeds: torch.Tensor) -> bool:
+    """Whether this forward pass may be differentiated, so the fused training mix (`value_mixing.py`) must run.
+
+    True when autograd is recording and anything the mix depends on can want a gradient: the input embeddings or any
+    parameter of the model (LoRA adapters included). `torch.no_grad()`, `generate()` and frozen models take the
+    value paths' mix without gradient (`value_paths.py`), which computes the same values with Llama's ops plus one
+    per mixing layer.
+    """
+    if not torch.is_grad_enabled():
+        return False
+    return inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in model.parameters())
+
 
 #: (values attention attends over [B, H_kv, T, D], residual values for later layers, what `project_output` reads)
 ValueStep = tuple[torch.Tensor, object, object]
@@ -73,27 +104,34 @@ class ValuePath:
     def __init__(self, config: ResFormerConfig, layer_idx: int):
         self.layer_idx = layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.fixed = fixed_value_weights(config)  #: (λ_first, λ_self) as floats when the variant's λ are fixed
+        #: (λ_first, λ_self) as floats when the variant's λ are fixed: they enter the GEMMs exact, at no op's cost
+        self.fixed = None
+        if config.value_residual_spec.lambdas == FIXED:
+            self.fixed = (config.value_residual_lambda_first_resolved, config.value_residual_lambda_self_resolved)
 
     def attach(self, attention: nn.Module) -> None:
         """Add or drop the attention modules this path needs; called once, when the attention is built."""
 
-    def __call__(self, attention: nn.Module, hidden_states: torch.Tensor, residual_values, weights) -> ValueStep:
-        """The layer's values from its normalised input; `weights` is this layer's `ValueResidual()` output: a
-        `LayerMix` when no gradient is wanted, else row n of the mixing matrix (ignored where λ are fixed)."""
-        if type(weights) is LayerMix:
-            return self.without_gradient(attention, hidden_states, residual_values, weights)
-        return self.with_gradient(attention, hidden_states, residual_values, self.fixed or weights)
+    def __call__(self, attention: nn.Module, hidden_states: torch.Tensor, residual_values, lambda_first, lambda_self,
+                 gradients: bool) -> ValueStep:
+        """The layer's values from its normalised input, with its λ from `ValueResidual`: with `gradients` 0-dim views
+        of the λ table (`dense`: its row of weights), replaced by the floats where λ are fixed; without, a
+        `LayerMix`'s two fields."""
+        if gradients:
+            if self.fixed:
+                lambda_first, lambda_self = self.fixed
+            return self.with_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
+        return self.without_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
 
-    def with_gradient(self, attention, hidden_states, residual_values, weights) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         own = _own_values(attention.v_proj, hidden_states, self.head_dim)
         return own, residual_values, own
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
-        return self.with_gradient(attention, hidden_states, residual_values, mix)
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        return self.with_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
 
     def project_output(self, attention: nn.Module, attn_output: torch.Tensor, input_shape, residual_values, kept,
-                       weights) -> torch.Tensor:
+                       gradients: bool) -> torch.Tensor:
         """o_proj of the attention output ([B, T, H_q, D]; vLLM's [T, H_q·D]), as Llama does."""
         return attention.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
 
@@ -109,16 +147,16 @@ class FirstValues(ValuePath):
     λ_first·V_0 per receiver (learnable λ as tensors; scaled when asked for beyond `BATCHED_SCALING_MAX_TOKENS`).
     """
 
-    def with_gradient(self, attention, hidden_states, residual_values, weights) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         own = _own_values(attention.v_proj, hidden_states, self.head_dim)
-        return own, own.unsqueeze(0), own
+        return own, own, own
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
-        if isinstance(mix.first, float):
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        if isinstance(lambda_first, float):
             flat, raw = _flat_values(attention.v_proj, hidden_states, self.head_dim)
             return raw.transpose(1, 2), flat, raw
         own = _own_values(attention.v_proj, hidden_states, self.head_dim)
-        first = mix.first.to(own.dtype)  # [R, 1, 1, 1, 1]: λ cast to the values' dtype
+        first = lambda_first.to(own.dtype)  # [R, 1, 1, 1, 1]: λ cast to the values' dtype
         if own.shape[-2] > BATCHED_SCALING_MAX_TOKENS:
             return own, ScaledPerReceiver(own, first.unbind(0)), own
         return own, (own * first).unbind(0), own
@@ -127,7 +165,7 @@ class FirstValues(ValuePath):
 class SharedFirstValues(FirstValues):
     """Layer 0 of SVFormer: hands on V_0 itself ([B, H_kv, T, D] without gradient), which later layers attend over."""
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         flat, raw = _flat_values(attention.v_proj, hidden_states, self.head_dim)
         own = raw.transpose(1, 2)
         return own, own, raw
@@ -136,9 +174,9 @@ class SharedFirstValues(FirstValues):
 class CorrectingFirstValues(FirstValues):
     """Layer 0 of NeuTRENO: without gradient hands on λ·V_0 as [B, T, H_kv, D], the layout of the correction."""
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         flat, raw = _flat_values(attention.v_proj, hidden_states, self.head_dim)
-        return raw.transpose(1, 2), raw * mix.first, raw
+        return raw.transpose(1, 2), raw * lambda_first, raw
 
 
 # ---- receivers ---------------------------------------------------------------------------------------------------
@@ -148,7 +186,7 @@ class MixedValues(ValuePath):
     """ResFormer's receiving layer: attends over `λ_first·V_0 + λ_self·V_n`.
 
     With a gradient, v_proj's GEMM and the mix are one fused function that keeps nothing beyond Llama's activations
-    (`project_and_mix_first`). Without one, with λ as numbers, one GEMM: `addmm(V_0, h, Wᵀ, beta=λ_first,
+    (`project_and_mix`). Without one, with λ as numbers, one GEMM: `addmm(V_0, h, Wᵀ, beta=λ_first,
     alpha=λ_self)`, where Llama has its linear; with λ as tensors, v_proj as Llama and one `addcmul` on its output.
     """
 
@@ -158,23 +196,23 @@ class MixedValues(ValuePath):
         super().__init__(config, layer_idx)
         self.row = config.value_residual_receivers.index(layer_idx)  #: index among the receivers
 
-    def with_gradient(self, attention, hidden_states, residual_values, weights) -> ValueStep:
-        mixed = project_and_mix_first(hidden_states, attention.v_proj, residual_values, weights, self.layer_idx,
-                                      self.head_dim)
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        mixed = project_and_mix(hidden_states, attention.v_proj, residual_values, (lambda_first, lambda_self),
+                                self.head_dim)
         return mixed, residual_values, None
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
-        if not isinstance(mix.first, float):  # learnable λ as tensors: λ_self a 0-dim tensor, λ_first·V_0 scaled
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        if not isinstance(lambda_first, float):  # learnable λ as tensors: λ_self a 0-dim tensor, λ_first·V_0 scaled
             own = _own_values(attention.v_proj, hidden_states, self.head_dim)
-            return torch.addcmul(residual_values[self.row], own, mix.own), residual_values, None
+            return torch.addcmul(residual_values[self.row], own, lambda_self), residual_values, None
         shape = hidden_states.shape
         weight = plain_linear_weight(attention.v_proj)
         if weight is not None:
             flat = torch.addmm(residual_values, hidden_states.reshape(-1, shape[-1]), weight.t(),
-                               beta=mix.first, alpha=mix.own)
+                               beta=lambda_first, alpha=lambda_self)
         else:
-            flat = torch.add(attention.v_proj(hidden_states).reshape(residual_values.shape) * mix.own,
-                             residual_values, alpha=mix.first)
+            flat = torch.add(attention.v_proj(hidden_states).reshape(residual_values.shape) * lambda_self,
+                             residual_values, alpha=lambda_first)
         return flat.view(*shape[:-1], -1, self.head_dim).transpose(1, 2), residual_values, None
 
 
@@ -186,10 +224,10 @@ class ReusedFirstValues(ValuePath):
     def attach(self, attention: nn.Module) -> None:
         attention.v_proj = None
 
-    def with_gradient(self, attention, hidden_states, residual_values, weights) -> ValueStep:
-        return residual_values[0], residual_values, None
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        return residual_values, residual_values, None
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         return residual_values, residual_values, None
 
 
@@ -203,16 +241,16 @@ class CorrectedValues(ValuePath):
 
     first_values = CorrectingFirstValues
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         flat, raw = _flat_values(attention.v_proj, hidden_states, self.head_dim)
         return raw.transpose(1, 2), residual_values, raw
 
-    def project_output(self, attention, attn_output, input_shape, residual_values, kept, weights) -> torch.Tensor:
-        groups = attention.num_key_value_groups
-        if type(weights) is not LayerMix:
+    def project_output(self, attention, attn_output, input_shape, residual_values, kept, gradients) -> torch.Tensor:
+        groups, lam = attention.num_key_value_groups, self.fixed[0]
+        if gradients:
             return corrected_output_projection(attn_output.reshape(*input_shape, -1, self.head_dim), residual_values,
-                                               kept, attention.o_proj, self.fixed or weights, groups)
-        correction = torch.sub(residual_values, kept, alpha=weights.first)  # [B, T, H_kv, D]
+                                               kept, attention.o_proj, lam, groups)
+        correction = torch.sub(residual_values, kept, alpha=lam)  # [B, T, H_kv, D], λ·V_0 from layer 0
         if groups == 1 and attn_output.dim() == correction.dim():
             # The contiguous correction first: the sum is laid out like it, replacing Llama's reshape copy.
             return attention.o_proj(torch.add(correction, attn_output).reshape(*input_shape, -1))
@@ -237,36 +275,34 @@ class DenseValues(ValuePath):
         self.rows = max(receivers, default=0)  #: rows of the value buffer: one per layer up to the last reader
         self.appends = layer_idx < self.rows
         self.row = receivers.index(layer_idx) if self.mixes else -1
-        self.first_init = config.value_residual_lambda_first_resolved
 
-    def with_gradient(self, attention, hidden_states, residual_values, weights) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         own = _own_values(attention.v_proj, hidden_states, self.head_dim)
-        values, residual_values = dense_values(own, residual_values, weights, self.layer_idx, self.rows,
+        values, residual_values = dense_values(own, residual_values, lambda_first, self.layer_idx, self.rows,
                                                mix=self.mixes, append=self.appends)
         return values, residual_values, own
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         own = _own_values(attention.v_proj, hidden_states, self.head_dim)
-        if self.layer_idx == 0:  # W[:, 0] = offsets + λ_first; the λ_self diagonal is added by each receiver
-            columns = mix.first.to(own.dtype).view(*mix.first.shape, 1, 1, 1, 1).unbind(1)
-            return own, (own * (columns[0] + self.first_init), columns), own
+        if self.layer_idx == 0:  # one running mix per receiver, from the whole [R, L] table
+            columns = lambda_first.to(own.dtype).view(*lambda_first.shape, 1, 1, 1, 1).unbind(1)
+            return own, (own * columns[0], columns), own
         mixes, columns = residual_values
         mixes = mixes.addcmul_(columns[self.layer_idx], own)  # made by layer 0 in this pass: in place keeps one copy
-        values = torch.add(mixes[self.row], own, alpha=mix.own) if self.mixes else own
-        return values, (mixes, columns), own
+        return (mixes[self.row] if self.mixes else own), (mixes, columns), own
 
 
 class GatedFirstValues(FirstValues):
     """Layer 0 of `"gated"`: without gradient hands on V_0 as [B, T, H_kv, D], the layout its receivers lerp in."""
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         flat, raw = _flat_values(attention.v_proj, hidden_states, self.head_dim)
         return raw.transpose(1, 2), raw, raw
 
 
 class GatedValues(ValuePath):
     """`"gated"`'s receiving layer: attends over `V_n + g·(V_0 − V_n)`, with `g = g0 − 0.5 + σ(W_g h + b_g)` computed
-    for each token and kv head by its `value_gate` (`value_gate.py` says why this form).
+    for each token and kv head by its `value_gate` (`ValueGate` says why this form).
 
     With a gradient the projection and the lerp are one fused function that keeps only σ ([B·T, H_kv]) beyond
     Llama's activations (`project_and_gate`). Without one, beyond Llama's ops: the gate's GEMM (`t`, `addmm`), its
@@ -290,18 +326,18 @@ class GatedValues(ValuePath):
         gate = attention.value_gate
         return torch.sigmoid(gate(hidden_states.to(gate.weight.dtype)).float()) + self.shift
 
-    def with_gradient(self, attention, hidden_states, residual_values, weights) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         v_proj, gate = attention.v_proj, attention.value_gate
         if torch.compiler.is_compiling() or not (is_plain_linear(v_proj) and is_plain_linear(gate, ValueGate)):
             # Compiled: plain ops keep V_n for the gate's gradient, less than the h the fused function keeps, which a
-            # compiled Llama recomputes instead (see `fused_mixing._project_and_mix_traced`).
+            # compiled Llama recomputes instead (see `value_mixing.project_and_mix`).
             own = _own_values(v_proj, hidden_states, self.head_dim)
             logits = gate(hidden_states.to(gate.weight.dtype))
             return gated_values(own, residual_values, logits, self.shift), residual_values, None
         mixed = project_and_gate(hidden_states, v_proj, gate, residual_values, self.shift, self.head_dim)
         return mixed, residual_values, None
 
-    def without_gradient(self, attention, hidden_states, residual_values, mix: LayerMix) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         shape = hidden_states.shape
         flat_hidden = hidden_states.reshape(-1, shape[-1])
         weight, gate = plain_linear_weight(attention.v_proj), attention.value_gate

@@ -1,29 +1,22 @@
-"""The λ of the value residual: every learnable or fixed mixing weight of a ResFormer, resolved once per forward pass.
+"""The λ of the value residual: one module holds them all and turns them into one table per forward pass.
 
-Value Residual Learning (Zhou et al., ACL 2025, arXiv 2410.17897) is declared in the variant registry (`VARIANTS` in
-`configuration_resformer.py`), parameterised here, and applied by each layer's value path (`value_paths.py`): with a
-gradient through `fused_mixing.py`, which keeps training memory at Llama's, without one on v_proj's output with the
-per-layer `LayerMix` this module resolves (`no_grad_mixing.py`). The modeling file only wires them into Llama's
-attention. Imports only torch and transformers (copied for `trust_remote_code`).
+Which layers receive V_0 and how their λ are parameterised is the variant registry's (`VARIANTS` in
+`configuration_resformer.py`); what a layer does with its row of the table is its value path's (`value_paths.py`).
+Imports only torch and transformers (copied for `trust_remote_code`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
 
-from .configuration_resformer import CORRECT, DENSE, FIXED, PAIR, PER_TOKEN, PLAIN, REUSE, SOFTMAX, ResFormerConfig
-from .no_grad_mixing import LayerMix, readable_as_numbers
-
-#: Parameterisations whose λ are constants from the config: fixed λ, and `"gated"`'s initial mix (its gates live in
-#: the layers, `value_gate.ValueGate`).
-CONSTANT = (FIXED, PER_TOKEN)
+from .configuration_resformer import CORRECT, DENSE, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
 
 if torch.distributed.is_available():
     from torch.distributed.tensor import DTensor
@@ -31,212 +24,181 @@ else:  # builds without torch.distributed have no sharded tensors
     DTensor = ()
 
 
+class LayerMix(NamedTuple):
+    """One layer's λ in a pass without gradient: Python numbers where they read for free (`readable_as_numbers`), else
+    tensors in the values' dtype. For a receiver with λ as tensors, `first` is every receiver's λ_first as a
+    [R, 1, 1, 1, 1] column (layer 0 scales V_0 for all of them at once) and `own` its own 0-dim λ_self; `dense` hands
+    its [R, L] weights to layer 0 instead."""
+
+    first: float | torch.Tensor
+    own: float | torch.Tensor
+
+
+def readable_as_numbers(module: nn.Module) -> bool:
+    """Whether `module`'s parameters can be read as Python numbers for free: eager, on the CPU, not sharded."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(type(p) is nn.Parameter and p.device.type == "cpu" and not hasattr(p, "ds_id")
+               for p in module._parameters.values())
+
+
 class ValueResidual(nn.Module):
-    """Holds every λ of the model and turns them into per-layer mixing weights.
+    """Every λ of the model (one module, not one per layer: a softmax couples the layers, and optimisers, PEFT's
+    `modules_to_save=["value_residual"]` and model cards get one name to find).
 
-    One module for the whole model (not one per layer) because a softmax parameterisation couples the layers through
-    a softmax and one shared λ_scale; it also gives optimisers, PEFT `modules_to_save=["value_residual"]` and model
-    cards a single name to find. What it holds follows the variant's registry entry (`VARIANTS` in the configuration
-    module): no parameters for fixed λ, a pair per receiving layer, softmax logits + scale, or a dense matrix.
-
-    Learnable λ are stored as *offsets from their configured initial values* (the initial values live in the config).
-    Weight decay therefore pulls λ toward their initial values rather than toward zero, which would silently switch
-    the value residual off, and a checkpoint that lacks them (zero offsets) gets exactly the documented initial values.
-    Initial and fixed values come from the config, never from the checkpoint.
+    Learnable λ are stored as *offsets from the initial values in the config*: weight decay pulls them toward those
+    values (never silently toward "no value residual"), and a checkpoint without them loads at exactly those values.
+    Initial and fixed values live in non-persistent buffers made once, so a forward pass builds no tensor from Python
+    data and copies nothing from the host.
     """
 
     def __init__(self, config: ResFormerConfig):
         super().__init__()
         config.check_value_residual()  # fields may have been assigned after the config was built
         self.parameterisation = config.value_residual_spec.lambdas
-        self.num_layers = config.num_hidden_layers
         self.receivers = config.value_residual_receivers
         self.roles = config.value_residual_layer_roles
+        self.num_layers = config.num_hidden_layers
         self.lambda_first_init = config.value_residual_lambda_first_resolved
         self.lambda_self_init = config.value_residual_lambda_self_resolved
         self.lambda_scale_init = config.value_residual_lambda_scale_resolved
-        self.role = config.value_residual_spec.role
         n = len(self.receivers)
         if self.parameterisation == PAIR:
             self.lambda_first_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
             self.lambda_self_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         elif self.parameterisation == SOFTMAX:
             self.lambda_logits = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-            # Shape [1], not a 0-dim scalar: FSDP2 and DeepSpeed ZeRO refuse 0-dim parameters. Checkpoints that saved
-            # it as a scalar still load (`LAMBDA_CHECKPOINT_CONVERSIONS`, `_load_from_state_dict`).
+            # Shape [1], not 0-dim: FSDP2 and DeepSpeed ZeRO refuse 0-dim parameters (old checkpoints are reshaped on
+            # load, `LAMBDA_CHECKPOINT_CONVERSIONS`).
             self.lambda_scale_offset = nn.Parameter(torch.zeros(1, dtype=torch.float32))
             self.lambda_self_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         elif self.parameterisation == DENSE:
-            # Row r: offsets of receiving layer receivers[r] on the raw values V_0 .. V_{L-1}; columns > layer unused.
+            # Row r: offsets of receiver r's weights on the raw values V_0 .. V_{L-1}; columns after it unused.
             self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers, dtype=torch.float32))
-        # Fixed λ give a constant matrix: build it once instead of ~10 tiny ops per forward, which cost several % of a
-        # small model's prefill. A non-persistent buffer follows `.to(device)` / device maps like Llama's rotary
-        # `inv_freq`; like it, `_init_weights` rebuilds it when transformers loads on the meta device.
-        fixed = self.mixing_weights(torch.device("cpu")) if self.parameterisation in CONSTANT else None
-        self.register_buffer("fixed_weights", fixed, persistent=False)
-        #: (λ offsets read as numbers, the mixes built from them): `layer_mixes` reuses them while the offsets match.
-        self._numeric_mixes: tuple[dict[str, list], tuple[LayerMix, ...]] | None = None
+        initial, mask = self.initial_buffers(torch.device("cpu"))
+        # Non-persistent, like Llama's rotary `inv_freq`: they follow `.to()` and device maps, and `_init_weights`
+        # rebuilds them when transformers builds the model on the meta device.
+        self.register_buffer("initial", initial, persistent=False)
+        self.register_buffer("mask", mask, persistent=False)
+        #: (the λ offsets read as numbers, the mixes built from them), reused while the offsets read the same
+        self._numeric: tuple[tuple, tuple[LayerMix, ...]] | None = None
+
+    def initial_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The table at zero offsets (fixed λ: the table itself), and dense's mask of the columns each row reads.
+
+        Zeros made in float32 and then filled: DeepSpeed's `zero.Init` turns what `torch.tensor`/`full` create into
+        its training dtype (bf16 holds 0.4 as 0.4004), but not what `fill_` writes into a float32 tensor.
+        """
+        n = len(self.receivers)
+        if self.parameterisation != DENSE:
+            initial = torch.zeros(2, n, device=device).float()
+            initial[0] = 0.0 if self.parameterisation == SOFTMAX else (self.lambda_first_init or 0.0)
+            initial[1] = self.lambda_self_init if self.lambda_self_init is not None else 1.0
+            return initial, None
+        initial = torch.zeros(n, self.num_layers, device=device).float()
+        mask = torch.zeros(n, self.num_layers, device=device).float()
+        for row, layer in enumerate(self.receivers):
+            mask[row, : layer + 1] = 1.0
+            initial[row, 0] = self.lambda_first_init
+            initial[row, layer] = self.lambda_self_init
+        return initial, mask
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Zero every offset (λ back to the initial values in the config) and rebuild the fixed matrix in place."""
+        """Zero every offset (λ back to the initial values in the config) and rebuild the buffers in place."""
         for parameter in self.parameters(recurse=False):
             parameter.zero_()
-        if self.fixed_weights is not None:
-            self.fixed_weights.copy_(self.mixing_weights(self.fixed_weights.device))
-
-    def _receiver_pairs(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(λ_first, λ_self) of each receiving layer, as differentiable float32 tensors of shape [len(receivers)].
-
-        Offsets are upcast before the initial values are added: engines that hand the module bfloat16 copies of its
-        parameters (DeepSpeed bf16) then round only the small offsets, never λ itself (bf16 holds 32.3 as 32.25).
-        """
-        if self.parameterisation == PAIR:
-            first, own = self.lambda_first_offset.float(), self.lambda_self_offset.float()
-            return first + self.lambda_first_init, own + self.lambda_self_init
-        if self.parameterisation == SOFTMAX:
-            scale = self.lambda_scale_offset.float() + self.lambda_scale_init
-            first = scale * torch.softmax(self.lambda_logits.float(), dim=0)
-            return first, self.lambda_self_offset.float() + self.lambda_self_init
-        n = len(self.receivers)  # float32 like `like`, not the default dtype: bf16 would round 0.4 to 0.4004
-        return like.new_full((n,), self.lambda_first_init), like.new_full((n,), self.lambda_self_init)
-
-    def _device(self) -> torch.device:
-        parameter = next(self.parameters(), None)
-        return parameter.device if parameter is not None else torch.device("cpu")
+        for buffer, fresh in zip((self.initial, self.mask), self.initial_buffers(self.initial.device)):
+            if buffer is not None:
+                buffer.copy_(fresh)
 
     def forward(self, inference: bool = False) -> torch.Tensor | tuple[LayerMix, ...]:
-        """Mixing weights `W` [L, L], float32: a mixing layer n attends over `Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n`.
+        """The λ table, float32: [2, R], the λ_first and the λ_self of the R receiving layers (contiguous rows, so each
+        offset's gradient is a plain slice); `dense` [R, L], each receiver's weights on V_0 .. V_{L-1}. With
+        `inference=True` (no gradient wanted), one `LayerMix` per layer instead.
 
-        Only rows of receiving layers are meaningful, and outside a dense parameterisation only columns 0 and n are
-        non-zero. For a correcting layer (NeuTRENO), `W[n, 0]` is its λ; layers that reuse V_0 read no weights.
-        With `inference=True` (no gradient needed): one `LayerMix` per layer instead, see `layer_mixes`.
+        Offsets are upcast before the initial values are added (type promotion with the float32 buffers): engines
+        that hand the module bfloat16 copies of its parameters (DeepSpeed bf16) round only the small offsets.
         """
         if inference:
             return self.layer_mixes()
-        if self.fixed_weights is not None:
-            return self.fixed_weights
-        return self.mixing_weights(self._device())
-
-    def mixing_weights(self, device: torch.device) -> torch.Tensor:
-        """`forward()`'s matrix computed afresh on `device`, always float32 (whatever the default dtype is while
-        transformers builds the model, e.g. `from_pretrained(..., dtype=torch.bfloat16)`).
-
-        DeepSpeed's `zero.Init` turns every floating tensor that `torch.zeros`/`full`/`tensor` create into its training
-        dtype, even when float32 is asked for; `.float()` and `new_full` are not patched, so the matrix stays exact.
-        """
-        size = (self.num_layers, self.num_layers)
-        weights = torch.zeros(size, device=device, dtype=torch.float32).float()
-        if not self.receivers:
-            return weights
-        receivers = torch.tensor(self.receivers, device=device, dtype=torch.long)
+        if self.parameterisation == PAIR:
+            return torch.stack((self.lambda_first_offset, self.lambda_self_offset)) + self.initial
+        if self.parameterisation == SOFTMAX:
+            first = torch.softmax(self.lambda_logits.float(), 0) * (self.lambda_scale_offset + self.lambda_scale_init)
+            return torch.stack((first, self.lambda_self_offset)) + self.initial
         if self.parameterisation == DENSE:
-            columns = torch.arange(self.num_layers, device=device)
-            mask = (columns[None, :] <= receivers[:, None]).float()
-            init = (columns[None, :] == 0).float() * self.lambda_first_init
-            init = init + (columns[None, :] == receivers[:, None]).float() * self.lambda_self_init
-            return weights.index_put((receivers,), (init + self.dense_weight_offset.float()) * mask)
-        first, own = self._receiver_pairs(weights)
-        weights = weights.index_put((receivers, torch.zeros_like(receivers)), first.float())
-        return weights.index_put((receivers, receivers), own.float())
+            return (self.dense_weight_offset + self.initial) * self.mask
+        return self.initial  # fixed λ (and `gated`'s initial mix): constants
+
+    def rows(self, table: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """Each layer's (λ_first, λ_self) from `forward()`'s table in the values' dtype: 0-dim tensors, (its row of
+        weights, None) for `dense`, (None, None) where a layer receives nothing or λ are fixed (their paths hold them
+        as floats). All are views of one cast, so backward gathers their gradients in one op."""
+        if not self._parameters:
+            return ((None, None),) * self.num_layers
+        table = table.to(dtype)
+        if self.parameterisation == DENSE:
+            rows = ((row, None) for row in table.unbind(0))
+        else:  # flat: one unbind, whose backward is one stack
+            flat = table.view(-1).unbind()
+            rows = zip(flat[: table.shape[1]], flat[table.shape[1]:])
+        return tuple(next(rows) if role != PLAIN else (None, None) for role in self.roles)
 
     def layer_mixes(self) -> tuple[LayerMix, ...]:
-        """Every layer's `LayerMix` for a forward pass without gradient, λ resolved once for all layers.
+        """Every layer's `LayerMix` for a pass without gradient.
 
-        Wherever it can (`_offsets_as_numbers`), each λ is a Python number: a mixing layer then folds the mix into
-        v_proj's GEMM (`torch.addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`), one op where Llama has its linear, and
-        the pass dispatches no op for λ at all. Fixed λ are numbers everywhere; learnable ones on the CPU when eager.
-        The mixes are kept with the λ values they were built from and reused while those read the same (every step of
-        `generate()`): building them is Python work worth 0.6–1 % of a small model's decode step.
+        Fixed λ are the config's numbers. Learnable ones are read into numbers where that is free, and kept while the
+        parameters are not written to (every step of `generate()`): a mixing layer then folds them into v_proj's
+        GEMM and the pass dispatches no op for λ. Elsewhere (GPU, compiled, sharded) they stay tensors: one table.
         """
-        offsets = self._offsets_as_numbers()
-        if offsets is None:
-            return self._tensor_mixes()
-        if self._numeric_mixes is not None and self._numeric_mixes[0] == offsets:
-            return self._numeric_mixes[1]
-        firsts, owns = self.numeric_lambdas(offsets)
-        rows = {layer: row for row, layer in enumerate(self.receivers)}
-        first_of_layer_0 = firsts[0] if firsts and self.role == CORRECT else 0.0  # NeuTRENO's layer 0 scales V_0
-        mixes = tuple(
-            LayerMix(firsts[rows[layer]], owns[rows[layer]]) if layer in rows else LayerMix(first_of_layer_0, 1.0)
-            for layer in range(self.num_layers)
-        )
-        self._numeric_mixes = (offsets, mixes)
-        return mixes
+        fixed = not self._parameters
+        readable = fixed or (self.parameterisation != DENSE and readable_as_numbers(self))
+        # Keyed by the values themselves: a write through `.data` bumps no version counter. Reading dispatches no op.
+        versions = tuple(p.tolist() for p in self._parameters.values()) if readable else None
+        if readable and self._numeric is not None and self._numeric[0] == versions:
+            return self._numeric[1]
+        if fixed:
+            mixes = self._numeric_mixes([(self.lambda_first_init, self.lambda_self_init)] * len(self.receivers))
+            if not torch.compiler.is_compiling():
+                self._numeric = (versions, mixes)
+            return mixes
+        with torch.no_grad():
+            table = self.forward()
+        if readable:
+            self._numeric = (versions, self._numeric_mixes(list(zip(*table.tolist()))))
+            return self._numeric[1]
+        if self.parameterisation == DENSE:  # layer 0 starts every receiver's running mix from the whole table
+            return (LayerMix(table, 1.0),) * self.num_layers
+        firsts, owns = table[0].view(-1, 1, 1, 1, 1), iter(table[1].unbind())
+        return tuple(LayerMix(firsts, next(owns) if role != PLAIN else 1.0) for role in self.roles)
 
-    def _offsets_as_numbers(self) -> dict[str, list] | None:
-        """The learnable offsets as Python lists by parameter name (`{}` for fixed λ), or None where they must stay
-        tensors: under `torch.compile` (a number read from a tensor breaks the graph), for `dense` (a matrix of
-        weights), for parameters off the CPU (reading them would wait for the device every step) and for sharded ones
-        (FSDP2 DTensors, DeepSpeed ZeRO-3). Reading a CPU tensor's values dispatches no op.
-        """
-        if self.parameterisation in CONSTANT:
-            return {}
-        if self.parameterisation == DENSE or not readable_as_numbers(self):
-            return None
-        return {name: parameter.tolist() for name, parameter in self._parameters.items()}
-
-    def numeric_lambdas(self, offsets: dict[str, list]) -> tuple[list[float], list[float]]:
-        """(λ_first, λ_self) of every receiver as Python floats, from `_offsets_as_numbers`. The softmax of
-        `learnable_plus` is a handful of float operations.
-        """
-        n = len(self.receivers)
-        if self.parameterisation in CONSTANT:
-            return [self.lambda_first_init] * n, [self.lambda_self_init] * n
-        owns = [offset + self.lambda_self_init for offset in offsets["lambda_self_offset"]]
-        if self.parameterisation == PAIR:
-            return [offset + self.lambda_first_init for offset in offsets["lambda_first_offset"]], owns
-        logits, (scale_offset,) = offsets["lambda_logits"], offsets["lambda_scale_offset"]
-        if not logits:  # a one-layer model: no layer receives V_0
-            return [], owns
-        top = max(logits)
-        exponentials = [math.exp(logit - top) for logit in logits]
-        scale = (scale_offset + self.lambda_scale_init) / sum(exponentials)
-        return [scale * exponential for exponential in exponentials], owns
-
-    def _tensor_mixes(self) -> tuple[LayerMix, ...]:
-        """`layer_mixes` with λ as tensors (see `_offsets_as_numbers` for when).
-
-        At most six small ops per forward pass (learnable_plus: the softmax, λ_scale, λ_self, a view, an unbind).
-        Learnable λ_first become a [R, 1, 1, 1, 1] column that layer 0 scales V_0 with for all R receivers at once
-        (decode steps; a long prompt's receivers scale it one at a time); λ_self are unbound into 0-dim tensors.
-        `dense` hands layer 0 a copy of its offsets [R, L], which it unbinds into per-source columns.
-        """
-        n, first_init, own_init = len(self.receivers), self.lambda_first_init, self.lambda_self_init
-        first, owns = first_init, [own_init] * n
-        if self.parameterisation == PAIR:
-            first = (self.lambda_first_offset.float() + first_init).view(n, 1, 1, 1, 1)
-            owns = (self.lambda_self_offset.float() + own_init).unbind()
-        elif self.parameterisation == SOFTMAX:
-            scale = self.lambda_scale_offset.float() + self.lambda_scale_init
-            first = (torch.softmax(self.lambda_logits.float(), dim=0) * scale).view(n, 1, 1, 1, 1)
-            owns = (self.lambda_self_offset.float() + own_init).unbind()
-        elif self.parameterisation == DENSE:  # a copy: FSDP2 frees the gathered parameter after this forward
-            first = self.dense_weight_offset.clone()
-        rows = {layer: row for row, layer in enumerate(self.receivers)}
-        return tuple(LayerMix(first, owns[rows[layer]] if layer in rows else own_init)
-                     for layer in range(self.num_layers))
+    def _numeric_mixes(self, pairs: list) -> tuple[LayerMix, ...]:
+        pairs = iter(pairs)
+        mixes = [LayerMix(*next(pairs)) if role != PLAIN else LayerMix(0.0, 1.0) for role in self.roles]
+        if self.receivers and self.roles[self.receivers[0]] == CORRECT:  # NeuTRENO's layer 0 scales V_0 by λ once
+            mixes[0] = LayerMix(mixes[self.receivers[0]].first, 1.0)
+        return tuple(mixes)
 
     @torch.no_grad()
     def lambda_table(self) -> torch.Tensor:
-        """Effective (λ_first, λ_self) of every layer as a float32 CPU tensor [L, 2]; see `value_residual_lambdas`.
-
-        Plain layers are (0, 1); a layer that reuses V_0 is (1, 0); a correcting layer shows its λ as (λ, 1 − λ), the
-        mix its correction `λ(V_0 − V_n)` makes of a token's own values.
-        """
+        """Effective (λ_first, λ_self) of every layer, float32 [L, 2] on the CPU: plain layers (0, 1), SVFormer's
+        (1, 0), NeuTRENO's (λ, 1 − λ) (the mix its correction `λ(V_0 − V_n)` makes of a token's own values), dense's
+        weights on V_0 and on the layer's own values."""
         with gathered_parameters(self):
-            weights = self.forward().cpu()
-        table = torch.zeros(self.num_layers, 2, dtype=torch.float32)
-        for layer, role in enumerate(self.roles):
-            if role == PLAIN:
-                table[layer] = torch.tensor([0.0, 1.0])
-            elif role == REUSE:
-                table[layer] = torch.tensor([1.0, 0.0])
+            table = self.forward().cpu()
+        result = torch.tensor([[0.0, 1.0]]).repeat(self.num_layers, 1)
+        for row, layer in enumerate(self.receivers):
+            role = self.roles[layer]
+            if role == REUSE:
+                result[layer] = torch.tensor([1.0, 0.0])
             elif role == CORRECT:
-                table[layer] = torch.stack((weights[layer, 0], 1.0 - weights[layer, 0]))
+                result[layer] = torch.stack((table[0, row], 1.0 - table[0, row]))
+            elif role == MIX_ALL:
+                result[layer] = torch.stack((table[row, 0], table[row, layer]))
             else:
-                table[layer] = torch.stack((weights[layer, 0], weights[layer, layer]))
-        return table
+                result[layer] = table[:, row]
+        return result
 
     def extra_repr(self) -> str:
         return f"parameterisation={self.parameterisation!r}, receivers={self.receivers}"
@@ -252,10 +214,9 @@ class ValueResidual(nn.Module):
 class LambdaScaleToVector(ConversionOps):
     """Checkpoint conversion: a λ_scale offset saved as a 0-dim scalar becomes the shape-[1] parameter, same value.
 
-    A 1-D tensor passes unchanged, so saving (which applies the reverse, this op again) writes the new layout. When
-    `from_pretrained` shards the parameter (FSDP2 through `distributed_config`), the loader treats a 0-dim tensor as
-    one slice along the parameter's first dim, like one expert of a stacked MoE weight, and hands each rank only the
-    slices it owns: the rank that owns it gets the scalar, the others an empty list and an empty local shard.
+    A 1-D tensor passes unchanged, so saving (the reverse, this op again) writes the new layout. Sharded loading
+    (FSDP2 through `distributed_config`) treats a 0-dim tensor as one slice along the first dim and hands it to the
+    rank that owns it; the others get an empty list and an empty local shard.
     """
 
     @torch.no_grad()
@@ -280,41 +241,18 @@ LAMBDA_CHECKPOINT_CONVERSIONS = [
 
 @contextlib.contextmanager
 def gathered_parameters(module: nn.Module) -> Iterator[None]:
-    """Within the block, `module`'s own parameters are whole on every rank, whichever engine sharded them.
-
-    FSDP2 keeps them as sharded DTensors between forward passes (they are swapped for their full tensors here); ZeRO-3
-    keeps a placeholder and a partition per rank (gathered with DeepSpeed's `GatheredParameters`). Tensor parallelism
-    replicates them already. Gathering is a collective: every rank must enter the block. Read-only: changes are lost.
-    """
+    """Within the block, `module`'s own parameters are whole on every rank, whichever engine sharded them (FSDP2
+    DTensors are swapped for their full tensors, ZeRO-3 partitions gathered). A collective: every rank must enter it.
+    Read-only: changes are lost."""
     parameters = dict(module.named_parameters(recurse=False))
     partitioned = [parameter for parameter in parameters.values() if hasattr(parameter, "ds_id")]
-    with _zero3_gathered(partitioned):
+    # Parameters with a `ds_id` were partitioned by DeepSpeed, so it is imported; looked up, since remote code may
+    # import only torch and transformers.
+    gather = sys.modules["deepspeed"].zero.GatheredParameters(partitioned) if partitioned else contextlib.nullcontext()
+    with gather:
         sharded = {name: parameter for name, parameter in parameters.items() if isinstance(parameter, DTensor)}
         module._parameters.update({name: nn.Parameter(p.detach().full_tensor(), False) for name, p in sharded.items()})
         try:
             yield
         finally:
             module._parameters.update(sharded)
-
-
-def _zero3_gathered(parameters: list[nn.Parameter]):
-    """DeepSpeed's gather for ZeRO-3-partitioned parameters (they carry a `ds_id`), or a no-op when there are none.
-
-    Parameters with a `ds_id` were partitioned by DeepSpeed, so it is already imported; it is looked up rather than
-    imported, since this file may import only torch and transformers (it is copied for `trust_remote_code`).
-    """
-    if not parameters:
-        return contextlib.nullcontext()
-    return sys.modules["deepspeed"].zero.GatheredParameters(parameters)
-
-
-def fixed_value_weights(config: ResFormerConfig) -> tuple[float, float] | None:
-    """(λ_first, λ_self) as Python floats when the variant's λ are constants, else None.
-
-    Fixed λ then enter the GEMMs as exact scalars (never rounded to a bf16 tensor) and cost no per-layer tensor ops.
-    For NeuTRENO λ_first is its λ.
-    """
-    if config.value_residual_spec.lambdas != FIXED:
-        return None
-    return config.value_residual_lambda_first_resolved, config.value_residual_lambda_self_resolved
-

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 
-import resformer_hf.no_grad_mixing
+import resformer_hf.value_residual
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf._compat import with_cache
 from resformer_hf.configuration_resformer import VARIANTS
@@ -90,7 +90,7 @@ def lambdas_as_tensors() -> Iterator[None]:
     a sharded or a compiled model takes, where `readable_as_numbers` is False. On the CPU they are otherwise read as
     Python numbers, so without this the tensor path would never run in the suite. Every package module that imported
     `readable_as_numbers` is told no."""
-    readable = resformer_hf.no_grad_mixing.readable_as_numbers
+    readable = resformer_hf.value_residual.readable_as_numbers
     readers = [module for name, module in list(sys.modules.items())
                if name.startswith("resformer_hf.") and getattr(module, "readable_as_numbers", None) is readable]
     with contextlib.ExitStack() as patches:

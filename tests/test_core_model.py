@@ -416,7 +416,7 @@ def test_the_value_residual_saves_only_the_values_it_must_keep(variant):
     input_ids = torch.randint(3, 128, (2, 32))
     extra = saved_activation_bytes(model, input_ids) - saved_activation_bytes(llama, input_ids)
     values_bytes = 2 * TINY["num_key_value_heads"] * 32 * (TINY["hidden_size"] // TINY["num_attention_heads"]) * 4
-    lambda_bytes = 1024  # the [L, L] mixing matrix and the few tiny tensors that build it
+    lambda_bytes = 1024  # the λ table and the few tiny tensors that build it
     if variant == "dense":
         assert 0 <= extra - len(model.config.value_residual_receivers) * values_bytes <= lambda_bytes, extra
     elif variant == "svformer":
@@ -480,7 +480,7 @@ def compiled_step_peak_bytes(model, input_ids) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["identity", "learnable_plus"])
 def test_compiled_training_step_peaks_at_llamas_memory(variant):
-    """Under torch.compile the mix is plain ops the partitioner sees through (`_project_and_mix_traced`): with the
+    """Under torch.compile the mix is plain ops the partitioner sees through (`value_mixing.project_and_mix`): with the
     eager path's autograd function instead, `identity` peaked 2.9% and `learnable_plus` 4.2% above a compiled Llama
     here (an H200 measured `identity` at 1.026 at 134M parameters). A learnable λ_first keeps one values tensor for
     its gradient."""

@@ -1,10 +1,9 @@
-"""The pass without gradient as a GPU, a sharded or a compiled model runs it: learnable λ (and DenseFormer's α) as
-tensors, held to the independent reference (`tests/reference.py`).
+"""The pass without gradient as a GPU, a sharded or a compiled model runs it: learnable λ as tensors, held to the
+independent reference (`tests/reference.py`).
 
 `readable_as_numbers` is False off the CPU, under `torch.compile` and for sharded parameters; on the CPU the λ are
-otherwise read as Python numbers (`ValueResidual._offsets_as_numbers`), so every other test runs the numbers path and
-none of the tensor path's own code (`_tensor_mixes`, `_first_values`, `ScaledPerReceiver`, the λ_self `addcmul`, the
-`dense` running mixes). Here `lambdas_as_tensors` forces it on the CPU, for every variant and the CLA2 options, with λ
+otherwise read as Python numbers (`ValueResidual.layer_mixes`), so every other test runs the numbers path and none of
+the tensor path's own code (the λ columns of `layer_mixes`, `ScaledPerReceiver`, the λ_self `addcmul`). Here `lambdas_as_tensors` forces it on the CPU, for every variant and the CLA2 options, with λ
 moved off their initial values, at lengths on both sides of `BATCHED_SCALING_MAX_TOKENS` (V_0 scaled for every
 receiver at once, or by each receiver when it runs): a no-grad forward, and greedy decoding with a dynamic and a
 static cache after a short and a long prefill; and in bfloat16 with λ kept float32, as a GPU user loads a model.
@@ -21,7 +20,7 @@ from transformers import DynamicCache, StaticCache
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.cache_resformer import share_cache_storage
 from resformer_hf.configuration_resformer import DENSE, VARIANTS
-from resformer_hf.no_grad_mixing import BATCHED_SCALING_MAX_TOKENS
+from resformer_hf.value_paths import BATCHED_SCALING_MAX_TOKENS
 
 from helpers import NON_DEFAULT, TINY, decode_logits, lambdas_as_tensors, model_with_random_lambdas
 from reference import reference_logits
@@ -65,18 +64,13 @@ def new_cache(model, kind: str, length: int):
 
 def test_the_context_manager_keeps_every_learnable_weight_a_tensor(variant):
     """The tests below run the tensor path, not the numbers path by mistake: learnable λ become tensors inside the
-    block and numbers outside it; fixed λ are numbers and `dense`'s matrix a tensor on every device."""
+    block and numbers outside it; fixed λ are numbers and `dense`'s table a tensor on every device."""
     model = case_model(variant)
-    embeddings = torch.zeros(1, 1, TINY["hidden_size"])
-    depth = model.model.depth_weighted_average
     for forced in (False, True):
         with lambdas_as_tensors() if forced else contextlib.nullcontext():
             first = model.model.value_residual(inference=True)[0].first
-            rows = depth.begin(embeddings, inference=True).rows if depth is not None else None
         spec = VARIANTS[variant]
         assert isinstance(first, torch.Tensor) == (spec.learnable and (forced or spec.lambdas == DENSE)), first
-        if depth is not None:
-            assert isinstance(rows, tuple if forced else list), (forced, rows)
 
 
 @pytest.mark.parametrize("length", LENGTHS)

@@ -1,6 +1,6 @@
 """The fused value-residual autograd functions: float64 gradcheck, the plain-op fallback, saved tensors, bf16.
 
-`project_and_mix_first`, `project_and_gate`, `dense_values` and `corrected_output_projection` compute the mix with
+`project_and_mix`, `project_and_gate`, `dense_values` and `corrected_output_projection` compute the mix with
 custom autograd functions that save only what attention, the projections and layer 0 keep anyway. Each is checked here
 against finite differences (`torch.autograd.gradcheck`, float64) on every code path, against the plain autograd ops
 they replace, and for what they save; `test_core_model.py` checks the whole model against the independent reference.
@@ -14,15 +14,17 @@ from torch import nn
 from torch.autograd import gradcheck
 from torch.func import functional_call
 
-from resformer_hf.fused_mixing import (
+from resformer_hf.value_mixing import (
+    ValueGate,
     corrected_output_projection,
     dense_values,
+    gated_values,
     is_plain_linear,
     mix_values,
     neutreno_correction,
-    project_and_mix_first,
+    project_and_gate,
+    project_and_mix,
 )
-from resformer_hf.value_gate import ValueGate, gated_values, project_and_gate
 
 BATCH, LENGTH, HIDDEN, HEAD_DIM = 2, 5, 12, 3
 F64 = {"dtype": torch.float64}
@@ -62,9 +64,15 @@ def mixing_case(kv_heads: int, bias: bool, learnable: bool, dtype=torch.float64,
     params = {name: torch.randn(p.shape, generator=generator).to(dtype) for name, p in layer.v_proj.named_parameters()}
     hidden = torch.randn(BATCH, LENGTH, HIDDEN, generator=generator).to(dtype)
     first = torch.randn(BATCH, LENGTH, kv_heads * HEAD_DIM, generator=generator).to(dtype)  # layer 0's v_proj output
-    # Row n = 2 of a [4, 4] mixing matrix: λ_first in column 0, λ_self in column 2; the other entries are unused.
-    lambdas = torch.tensor([0.7, 0.3, -1.3, 0.9], dtype=torch.float32 if dtype != torch.float64 else dtype)
-    return layer, params, hidden, first, lambdas if learnable else (0.7, -1.3)
+    # (λ_first, λ_self) of receiver 1 in a [2, 3] λ table, as `ValueResidual.forward` lays it out
+    table = torch.tensor([[0.3, 0.7, 0.1], [0.9, -1.3, 0.5]], dtype=torch.float32 if dtype != torch.float64 else dtype)
+    return layer, params, hidden, first, table if learnable else (0.7, -1.3)
+
+
+def table_pair(table: torch.Tensor, column: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A receiver's λ as `ValueResidual.rows` hands them on: 0-dim views of one table, through one unbind."""
+    flat = table.view(-1).unbind()
+    return flat[column], flat[table.shape[1] + column]
 
 
 class MixingLayer(nn.Module):
@@ -76,8 +84,8 @@ class MixingLayer(nn.Module):
         self.v_proj = nn.Linear(HIDDEN, kv_heads * HEAD_DIM, bias=bias).to(dtype)
 
     def forward(self, hidden, first, weights):
-        stack = projected(first, self.kv_heads).unsqueeze(0)
-        return project_and_mix_first(hidden, self.v_proj, stack, weights, 2, HEAD_DIM)
+        lambdas = table_pair(weights) if torch.is_tensor(weights) else weights
+        return project_and_mix(hidden, self.v_proj, projected(first, self.kv_heads), lambdas, HEAD_DIM)
 
 
 def mix_first(layer: MixingLayer, params: dict, hidden, first, weights) -> torch.Tensor:
@@ -99,10 +107,16 @@ def test_project_and_mix_first_passes_gradcheck_and_matches_plain_ops(kv_heads, 
 
     assert gradcheck(fused, inputs)
     own = projected(torch.nn.functional.linear(hidden, *params.values()), kv_heads)
-    first_weight, own_weight = (weights[0], weights[2]) if learnable else weights
+    first_weight, own_weight = (weights[0, 1], weights[1, 1]) if learnable else weights
     expected = first_weight * projected(first, kv_heads) + own_weight * own
-    assert torch.allclose(mix_values(own, projected(first, kv_heads).unsqueeze(0), weights, 2), expected, atol=1e-12)
+    assert torch.allclose(mix_values(own, projected(first, kv_heads), (first_weight, own_weight)), expected, atol=1e-12)
     assert torch.allclose(fused(*inputs), expected, atol=1e-12)
+    if learnable:  # λ that are not views of one table take the stacked path, with the same values and gradients
+        pair = [t.detach().clone().requires_grad_() for t in (weights[0, 1], weights[1, 1])]
+        mix_first(layer, dict(zip(names, params.values())), hidden, first, tuple(pair)).sum().backward()
+        weights.grad = None
+        fused(*inputs).sum().backward()
+        assert torch.allclose(torch.stack([t.grad for t in pair]), weights.grad[:, 1], atol=1e-12)
 
 
 def run_mix(layer: MixingLayer, params, hidden, first, weights, learnable: bool):
@@ -111,7 +125,7 @@ def run_mix(layer: MixingLayer, params, hidden, first, weights, learnable: bool)
     lambdas = weights.detach().clone().requires_grad_() if learnable else weights
     out = mix_first(layer, dict(zip(params, leaves[2:])), leaves[0], leaves[1], lambdas)
     (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
-    return [out.float()] + [t.grad.float() for t in leaves] + ([lambdas.grad[[0, 2]]] if learnable else [])
+    return [out.float()] + [t.grad.float() for t in leaves] + ([lambdas.grad[:, 1]] if learnable else [])
 
 
 @pytest.mark.parametrize("learnable", [False, True])
@@ -176,11 +190,11 @@ class GatingLayer(nn.Module):
         self.value_gate = ValueGate(HIDDEN, kv_heads).to(dtype)
 
     def forward(self, hidden, first):
-        stack = projected(first, self.kv_heads).unsqueeze(0)
+        first = projected(first, self.kv_heads)
         if is_plain_linear(self.v_proj) and is_plain_linear(self.value_gate, ValueGate):
-            return project_and_gate(hidden, self.v_proj, self.value_gate, stack, self.shift, HEAD_DIM)
+            return project_and_gate(hidden, self.v_proj, self.value_gate, first, self.shift, HEAD_DIM)
         own = projected(self.v_proj(hidden), self.kv_heads)
-        return gated_values(own, stack, self.value_gate(hidden), self.shift)
+        return gated_values(own, first, self.value_gate(hidden), self.shift)
 
 
 def gating_case(kv_heads: int, bias: bool, shift: float, dtype=torch.float64, seed: int = 0):
@@ -328,9 +342,8 @@ class CorrectingLayer(nn.Module):
         self.o_proj = nn.Linear(kv_heads * groups * HEAD_DIM, HIDDEN, bias=bias).double()
 
     def forward(self, attn_output, first, own):
-        stack = projected(first, self.kv_heads).unsqueeze(0)
-        own = projected(own, self.kv_heads)
-        return corrected_output_projection(attn_output, stack, own, self.o_proj, (0.4, 1.0), self.groups)
+        first, own = projected(first, self.kv_heads), projected(own, self.kv_heads)
+        return corrected_output_projection(attn_output, first, own, self.o_proj, 0.4, self.groups)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -348,7 +361,7 @@ def test_corrected_output_projection_passes_gradcheck_and_matches_plain_ops(grou
         return functional_call(layer, dict(zip(params, weights)), (attn_output, first, own))
 
     assert gradcheck(corrected, inputs)
-    difference = neutreno_correction(projected(first, 2), projected(own, 2), (0.4, 1.0), groups)
+    difference = neutreno_correction(projected(first, 2), projected(own, 2), 0.4, groups)
     expected = torch.nn.functional.linear((attn_output + difference).reshape(BATCH, LENGTH, -1), *params.values())
     assert torch.allclose(corrected(*inputs), expected, atol=1e-12)
     plain_layer = CorrectingLayer(groups, bias)

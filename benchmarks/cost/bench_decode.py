@@ -158,7 +158,7 @@ def write_report(results: list[dict], args, device: torch.device) -> str:
         "",
         "Without a gradient the mix runs on v_proj's output (`resformer_hf/value_paths.py`): "
         "λ are resolved once per forward pass for all layers and each mixing layer adds one fused op (`dense` three, "
-        "NeuTRENO two), never touching a weight; training keeps the fused functions of `fused_mixing.py`.",
+        "NeuTRENO two), never touching a weight; training keeps the fused functions of `value_mixing.py`.",
     ]
     for result in results:
         hidden, layers, batch = result["hidden"], result["layers"], result["batch"]

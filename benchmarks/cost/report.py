@@ -14,7 +14,7 @@ from benchmarks.cost.settings import CONTROL, METRICS, goal
 
 #: How the value residual stays at Llama's cost; quoted in cost.md and the README block this script writes.
 HOW = (
-    "The mix keeps no tensor beyond Llama's (`resformer_hf/fused_mixing.py`): a mixing layer's v_proj and the mix "
+    "The mix keeps no tensor beyond Llama's (`resformer_hf/value_mixing.py`): a mixing layer's v_proj and the mix "
     "run as one GEMM (`V' = a·V_0 + h(b·W)ᵀ`) whose custom backward saves only h, W and V_0, which q/k_proj and layer "
     "0 keep anyway, and gets λ_self's gradient `<dV', V_n> = <dV'ᵀh, W>` exactly from the product the weight gradient "
     "needs anyway; `dense` keeps every layer's raw values once, in one buffer whose prefixes are the per-layer stacks "

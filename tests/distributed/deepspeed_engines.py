@@ -135,7 +135,7 @@ def trainer_zero3(path: Path, batch: torch.Tensor) -> dict:
 
 
 def mixing_weights_in_bf16(path: Path, batch: torch.Tensor, stage: int) -> dict:
-    """The value-mixing matrix the layers received in one bf16 forward pass, and the λ table, under ZeRO `stage`."""
+    """The λ table the layers received in one bf16 forward pass, and the λ table, under ZeRO `stage`."""
     config = deepspeed_config(stage, bf16=True)
     model, _settings = load(path, config)
     engine = ZeRO(model, config)

@@ -89,7 +89,7 @@ def shard_with_torch(model, mp_policy: MixedPrecisionPolicy | None = None):
 
 
 def mixing_weights_seen_in_forward(model, batch) -> dict:
-    """The value-mixing matrix the decoder layers received in one forward pass, and its dtype."""
+    """The λ table the decoder layers received in one forward pass, and its dtype."""
     seen = {}
     hook = model.model.value_residual.register_forward_hook(lambda module, args, output: seen.update(weights=output))
     model(input_ids=batch)  # with gradient: a no-grad pass resolves per-layer `LayerMix`es instead of the matrix
