@@ -141,6 +141,16 @@ class Server:
                 self.process.wait(timeout=30)
 
 
+def served(folders: dict[str, Path], tmp_path_factory, name: str, *flags: str):
+    """A module fixture's body: `folders[name]` served with `flags`, and its reference; the server is stopped after."""
+    server = Server(folders[name], tmp_path_factory.mktemp("logs") / f"{name}.log", *flags)
+    try:
+        yield server, Reference(folders[name])
+    finally:
+        server.close()
+        assert server.process.poll() is not None
+
+
 class Reference:
     """`generate()`'s text and token count for the folder, with the plugin's classes: greedy, or with a `seed` what
     OpenAI's temperature 1 draws (the whole distribution) after `torch.manual_seed(seed)`."""

@@ -27,8 +27,8 @@ from hf_serving import (  # noqa: E402
     MAX_TOKENS,
     PROMPTS,
     REQUEST_TIMEOUT_S,
-    Reference,
     Server,
+    served,
     write_folders,
 )
 
@@ -40,37 +40,28 @@ def folders(tmp_path_factory):
     return write_folders(tmp_path_factory.mktemp("hf-serving"))
 
 
-def _serve(folders, tmp_path_factory, name: str, *flags: str):
-    server = Server(folders[name], tmp_path_factory.mktemp("logs") / f"{name}.log", *flags)
-    try:
-        yield server, Reference(folders[name])
-    finally:
-        server.close()
-        assert server.process.poll() is not None
-
-
 @pytest.fixture(scope="module")
 def plain(folders, tmp_path_factory):
     """learnable_plus served with `model.generate()` per request."""
-    yield from _serve(folders, tmp_path_factory, "learnable_plus")
+    yield from served(folders, tmp_path_factory, "learnable_plus")
 
 
 @pytest.fixture(scope="module")
 def batched(folders, tmp_path_factory):
     """SVFormer served with continuous batching."""
-    yield from _serve(folders, tmp_path_factory, "svformer", *CB_FLAGS)
+    yield from served(folders, tmp_path_factory, "svformer", *CB_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def gated(folders, tmp_path_factory):
     """`gated` (random value gates) served with continuous batching."""
-    yield from _serve(folders, tmp_path_factory, "gated", *CB_FLAGS)
+    yield from served(folders, tmp_path_factory, "gated", *CB_FLAGS)
 
 
 @pytest.fixture(scope="module")
 def control(folders, tmp_path_factory):
     """The Llama control, with continuous batching."""
-    yield from _serve(folders, tmp_path_factory, "llama", *CB_FLAGS)
+    yield from served(folders, tmp_path_factory, "llama", *CB_FLAGS)
 
 
 def _concurrently(server: Server, prompts: list[str]) -> list[tuple[str, int]]:
