@@ -16,11 +16,13 @@ time of a step at each concurrency. The attention is whatever transformers' cont
 (flash paged attention where flash-attn is installed, CUDA graphs where the attention needs no mask); each run
 records it. Goal on an H100/H200: SVFormer >= 1.6x Llama's tokens/s at the tightest budget, beside the ideal 2L/(L+1).
 
-On a GPU machine (transformers 5.24 and this repository; nothing else), one command, about 8 minutes on an H100
-(`--seconds` caps it: a round that would not fit is recorded as skipped, and every result is a JSON line flushed as it
-is measured):
+On a lent GPU machine, as the GPU run (`benchmarks/gpu/__main__.py`) is prepared: torch there, transformers 5.24.0
+carried as a wheel in `.whl/`, one command from the repository root, estimated (not measured) at about 8 minutes on
+an H100 (~12 ms a decode step). `--seconds` (default 480) caps it: a round that would not fit is recorded as skipped,
+and every result is a JSON line flushed as it is measured, so a run cut short keeps what it measured:
 
-    PYTHONPATH=. PYTHONUNBUFFERED=1 python3 -m benchmarks.serving.bench_capacity --out $OUT --seconds 480
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 -m benchmarks.serving.bench_capacity --out $OUT
 
 then here, from the JSON lines it wrote:
 
