@@ -27,8 +27,6 @@ import torch
 
 #: Request fields continuous batching cannot honour per request (one engine, one random stream, no stop strings).
 NOT_PER_REQUEST = ("seed", "frequency_penalty", "logit_bias", "stop", "generation_config")
-#: A top-k that keeps every token (the engine clamps it to the vocabulary).
-NO_TOP_K = torch.iinfo(torch.int32).max
 #: The engine's own defaults: any value that makes transformers build the temperature, top-k and top-p processors
 #: (1.0, 0 or None would not); every request overrides all three.
 ENGINE_SAMPLING = {"temperature": 0.5, "top_k": 50, "top_p": 0.5}
@@ -66,15 +64,15 @@ def openai_sampling(body: dict, config: Any) -> Any:
     return config
 
 
-def per_request_sampling(config: Any) -> dict:
+def per_request_sampling(config: Any, vocab_size: int) -> dict:
     """The continuous-batching engine's per-request settings (`add_request`'s keyword arguments) that sample as
     `generate()` does with `config` (its defaults for a field left None: temperature 1, top-k 50, top-p 1); greedy is
-    top-k 1."""
+    top-k 1, no top-k (0) the whole vocabulary (5.19's engine indexes the sorted logits with it unclamped)."""
     if not config.do_sample:
         return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
     temperature = 1.0 if config.temperature is None else float(config.temperature)
     top_k = 50 if config.top_k is None else int(config.top_k)
-    return {"temperature": temperature, "top_k": top_k or NO_TOP_K,
+    return {"temperature": temperature, "top_k": min(top_k or vocab_size, vocab_size),
             "top_p": 1.0 if config.top_p is None else float(config.top_p)}
 
 
@@ -134,6 +132,7 @@ def per_request_manager(base: type) -> type:
             for name in ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty", "stop_strings"):
                 setattr(engine_config, name, None)
             self._cb_config = _with_per_request_processors(self._cb_config)
+            self._vocab_size = model.get_output_embeddings().weight.shape[0]  # the width of the logits sampled from
             super().init_cb(model, engine_config)
             add_request = self._cb.add_request
 
@@ -144,12 +143,12 @@ def per_request_manager(base: type) -> type:
 
         def generate_streaming(self, model: Any, processor: Any, inputs: dict, gen_config: Any, request_id: str,
                                *args: Any, **kwargs: Any) -> Any:
-            _sampling.set(per_request_sampling(gen_config))
+            _sampling.set(per_request_sampling(gen_config, self._vocab_size))
             return super().generate_streaming(model, processor, inputs, gen_config, request_id, *args, **kwargs)
 
         async def generate_non_streaming(self, model: Any, processor: Any, inputs: dict, gen_config: Any,
                                          request_id: str) -> Any:
-            _sampling.set(per_request_sampling(gen_config))
+            _sampling.set(per_request_sampling(gen_config, self._vocab_size))
             return await super().generate_non_streaming(model, processor, inputs, gen_config, request_id)
 
     return PerRequestCBGenerateManager

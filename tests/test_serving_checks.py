@@ -22,7 +22,7 @@ from resformer_hf.serving_checks import (
 )
 from resformer_hf.serving_fanout import fan_out, part_bodies
 from resformer_hf.serving_hf import ModelFacts, RequestChecks
-from resformer_hf.serving_sampling import NO_TOP_K, batching_problem, openai_sampling, per_request_sampling
+from resformer_hf.serving_sampling import batching_problem, openai_sampling, per_request_sampling
 from resformer_hf.text import sample_text, train_tokenizer
 
 
@@ -195,13 +195,16 @@ def test_a_request_that_names_its_sampling_gets_openais(folder, body, expected):
 
 def test_continuous_batching_samples_each_request_as_generate_would():
     """The batching engine's per-request settings: greedy is top-k 1; a field left unset is `generate()`'s default
-    (temperature 1, top-k 50, top-p 1); OpenAI's "no top-k" keeps every token."""
-    assert per_request_sampling(GenerationConfig(do_sample=False)) == {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
-    assert per_request_sampling(GenerationConfig(do_sample=True)) == {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+    (temperature 1, top-k 50, top-p 1); OpenAI's "no top-k" keeps every token, a top-k beyond the vocabulary too."""
+    greedy = {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    assert per_request_sampling(GenerationConfig(do_sample=False), 512) == greedy
+    assert per_request_sampling(GenerationConfig(do_sample=True), 512) == {"temperature": 1.0, "top_k": 50,
+                                                                           "top_p": 1.0}
+    assert per_request_sampling(GenerationConfig(do_sample=True), 32)["top_k"] == 32
     openai = openai_sampling({"temperature": 0.7, "top_p": 0.9}, GenerationConfig(do_sample=False))
-    assert per_request_sampling(openai) == {"temperature": 0.7, "top_k": NO_TOP_K, "top_p": 0.9}
+    assert per_request_sampling(openai, 512) == {"temperature": 0.7, "top_k": 512, "top_p": 0.9}
     assert all(type(value) is type(default) for value, default in zip(
-        per_request_sampling(openai).values(), (1.0, 1, 1.0)))  # the engine checks the types
+        per_request_sampling(openai, 512).values(), (1.0, 1, 1.0)))  # the engine checks the types
 
 
 def test_what_one_batching_engine_cannot_do_is_named_with_the_flag():
