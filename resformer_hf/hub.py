@@ -1,7 +1,8 @@
 """Hub-ready folders and uploads: weights, remote code, tokenizer and the ResFormer model card in one commit.
 
 `finish_hub_folder` is the one place that makes a folder publishable (the remote-code files, `config.json` with every
-Auto class in `auto_map` and `use_cache: true`, the model card); the converter, the quickstart and `save_for_hub` all
+Auto class in `auto_map` and `use_cache: true`, a `generation_config.json` that says how the model samples, the model
+card); the converter, the quickstart and `save_for_hub` all
 use it. Stock `model.push_to_hub()` also works (and uploads the remote code), but it writes the Hub's existing card
 or a generic one; `push_with_card` writes the ResFormer card with the model's own λ table.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
+from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from . import model_card
@@ -25,6 +27,11 @@ from .configuration_resformer import ResFormerConfig
 from .modeling_resformer import ResFormerForCausalLM, ResFormerPreTrainedModel
 from .refresh_code import refresh_remote_code
 from .registration import full_auto_map
+
+#: How a folder's model samples where its generation_config leaves `do_sample` unset: OpenAI's defaults (temperature
+#: 1, the whole distribution: no top-k, no nucleus). Left unset, each reader fills it in its own way: `generate()` and
+#: `transformers serve` decode greedily, vLLM samples at temperature 1, and `generate()` samples with top-k 50.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
 def finish_hub_folder(
@@ -50,6 +57,7 @@ def finish_hub_folder(
     published.auto_map = {**full_auto_map(), **(getattr(config, "auto_map", None) or {})}
     published.use_cache = True
     published.save_pretrained(directory)
+    write_sampling(directory, published)
     model_card.write_model_card(
         directory,
         published,
@@ -62,6 +70,23 @@ def finish_hub_folder(
         model_id=model_id,
     )
     return directory
+
+
+def write_sampling(directory: str | os.PathLike, config: ResFormerConfig) -> GenerationConfig:
+    """Make `directory`'s generation_config.json (the model's, a converted source's, or one from `config`'s token ids
+    if there is none) say how the model samples: `SAMPLING_DEFAULTS` where it leaves `do_sample` unset. One that sets
+    `do_sample` (a source's own sampling, a greedy model) is left as it is, byte for byte."""
+    directory = Path(directory)
+    if (directory / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(directory)
+        if generation.do_sample is not None:
+            return generation
+    else:
+        generation = GenerationConfig.from_model_config(config)
+    generation.update(**SAMPLING_DEFAULTS)
+    generation._from_model_config = False  # it says more than the model config's token ids now
+    generation.save_pretrained(directory)
+    return generation
 
 
 def save_for_hub(
@@ -163,6 +188,7 @@ def push_to_hub(model: ResFormerPreTrainedModel, repo_id: str, **kwargs: Any) ->
 
 
 __all__ = [
+    "SAMPLING_DEFAULTS",
     "finish_hub_folder",
     "full_auto_map",
     "push_to_hub",
@@ -170,4 +196,5 @@ __all__ = [
     "refresh_remote_code",
     "save_for_hub",
     "upload_folder_to_hub",
+    "write_sampling",
 ]

@@ -51,7 +51,7 @@ def _is_int(value: Any) -> bool:
 
 def field_problem(path: str, body: dict) -> str | None:
     """A token bound that is not a positive integer, or a sampling field outside the range OpenAI's API gives it:
-    temperature in [0, 2], top_p in (0, 1], n a positive integer."""
+    temperature in [0, 2], top_p in (0, 1], seed a 64-bit integer, n a positive integer."""
     for name in GENERATION_ENDPOINTS[path]:
         value = body.get(name)
         if value is not None and (not _is_int(value) or value < 1):
@@ -62,6 +62,9 @@ def field_problem(path: str, body: dict) -> str | None:
     top_p = body.get("top_p")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
         return f"top_p must be a number greater than 0 and at most 1, got {top_p!r}"
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+        return f"seed must be a 64-bit integer (the same seed, settings and prompt draw the same text), got {seed!r}"
     n = body.get("n")
     if path in CHOICE_ENDPOINTS and n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
         return (f"n must be a positive integer up to {MAX_CHOICES} (the number of choices to generate for each "

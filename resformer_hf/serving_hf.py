@@ -11,7 +11,10 @@ its completion handler and generation state classes, all looked up when the serv
 
 - `RequestChecks`, an ASGI middleware: a request the model cannot run or that the server would misread gets a 400
   with a message (`serving_checks`), checked off the event loop (a 5 MB prompt does not stall `/health`); `n` > 1
-  and lists of prompts are answered with every choice (`serving_fanout`);
+  and lists of prompts are answered with every choice (`serving_fanout`); each request is given an id of its own,
+  the key the server's engine files it under (two requests with one client `X-Request-ID` are both answered), and
+  the client's `X-Request-ID` is echoed on its answer;
+- OpenAI's sampling semantics, with and without continuous batching (`serving_sampling`);
 - `TokenIdsCompletionHandler`: token-id prompts, which the OpenAI completions API allows and the server refuses;
 - a watchdog: if the continuous-batching worker dies (the server's `/health` says `cb_worker_dead`), the server
   stops and `resformer-serve` exits with status 1, so a supervisor restarts it, instead of answering 503 forever;
@@ -25,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +55,7 @@ from .serving_checks import (
     text_messages,
 )
 from .serving_fanout import answer_json, fan_out, part_bodies, with_length
+from .serving_sampling import batching_problem, per_request_manager, sampling_handler, seeded_manager
 
 PLUGIN_CLASSES = (
     ResFormerModel,
@@ -95,10 +100,11 @@ class RequestChecks:
     unchanged (it answers 422 itself)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], model_source: str,
-                 state: ServerState | None = None) -> None:
+                 state: ServerState | None = None, batching: bool = False) -> None:
         self.app = app
         self.model_source = model_source
         self.state = state or ServerState()
+        self.batching = batching  #: the server runs with --continuous-batching
         self._facts: ModelFacts | None = None
         self._facts_lock = asyncio.Lock()
 
@@ -110,9 +116,10 @@ class RequestChecks:
         if not checked or scope.get("path") not in GENERATION_ENDPOINTS:
             await self.app(scope, receive, send)
             return
+        scope, send = _own_request_id(scope, send)
         raw, messages = await _read_body(receive)
         facts = await self._model_facts()
-        plan = await asyncio.to_thread(check_request, scope["path"], raw, facts)
+        plan = await asyncio.to_thread(check_request, scope["path"], raw, facts, self.batching)
         if isinstance(plan, str):
             await answer_json(send, 400, {"error": {"message": plan, "type": "invalid_request_error"}})
             return
@@ -169,15 +176,16 @@ def load_model_facts(model_source: str) -> ModelFacts:
     return ModelFacts(tokenizer, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
 
 
-def check_request(path: str, raw: bytes, facts: ModelFacts) -> Plan | str | None:
-    """The checked request (`Plan`), the message of a 400, or None for a body that is not a JSON object."""
+def check_request(path: str, raw: bytes, facts: ModelFacts, batching: bool = False) -> Plan | str | None:
+    """The checked request (`Plan`), the message of a 400, or None for a body that is not a JSON object.
+    `batching`: the server runs with continuous batching (`batching_problem`)."""
     try:
         body = json.loads(raw)
     except (ValueError, RecursionError):
         return None
     if not isinstance(body, dict):
         return None
-    problem = field_problem(path, body)
+    problem = field_problem(path, body) or (batching_problem(body) if batching else None)
     if problem is not None:
         return problem
     requested = next((body[name] for name in GENERATION_ENDPOINTS[path] if body.get(name) is not None), None)
@@ -251,6 +259,22 @@ def token_ids_completion_handler(base: type) -> type:
     return TokenIdsCompletionHandler
 
 
+def _own_request_id(scope: dict, send: Callable) -> tuple[dict, Callable]:
+    """`scope` with an `X-Request-ID` of the server's own (the key its engine files the request under), and `send`
+    answering with the client's `X-Request-ID`, or that id if the client gave none."""
+    own = str(uuid.uuid4()).encode()
+    headers = [(key, value) for key, value in scope.get("headers", []) if key.lower() != b"x-request-id"]
+    echoed = next((value for key, value in scope.get("headers", []) if key.lower() == b"x-request-id"), own)
+
+    async def echoing(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            kept = [(key, value) for key, value in message.get("headers", []) if key.lower() != b"x-request-id"]
+            message = {**message, "headers": [*kept, (b"x-request-id", echoed)]}
+        await send(message)
+
+    return {**scope, "headers": [*headers, (b"x-request-id", own)]}, echoing
+
+
 async def _read_body(receive: Callable) -> tuple[bytes, list[dict]]:
     chunks, messages = [], []
     while True:
@@ -274,23 +298,32 @@ def _replay(messages: list[dict], receive: Callable) -> Callable:
 
 
 @contextlib.contextmanager
-def checked_requests(model_source: str) -> Iterator[ServerState]:
+def checked_requests(model_source: str, batching: bool = False) -> Iterator[ServerState]:
     """While in the block, the server `transformers serve` builds runs behind `RequestChecks`, serves token-id
-    prompts, and is stopped if its continuous-batching worker dies (the yielded state says so afterwards).
+    prompts, samples as OpenAI's API defines (`serving_sampling`), and is stopped if its continuous-batching worker
+    dies (the yielded state says so afterwards). `batching`: the server is started with --continuous-batching.
 
     `transformers serve` builds its app, its `uvicorn.Config` and `uvicorn.Server` and its handlers inside one
     constructor; subclasses of those, put where it looks them up, are the public seams between them, the same on
     every supported release."""
     import uvicorn
-    from transformers.cli.serving import completion, utils
+    from transformers.cli.serving import chat_completion, completion, response, utils
 
     state = ServerState()
-    original_config, original_server, original_handler = uvicorn.Config, uvicorn.Server, completion.CompletionHandler
+    original_config, original_server = uvicorn.Config, uvicorn.Server
+    #: (module, name, replacement) of each server class replaced while in the block
+    replaced = [(completion, "CompletionHandler", sampling_handler(token_ids_completion_handler(
+                    completion.CompletionHandler))),
+                (chat_completion, "ChatCompletionHandler", sampling_handler(chat_completion.ChatCompletionHandler)),
+                (response, "ResponseHandler", sampling_handler(response.ResponseHandler)),
+                (utils, "GenerateManager", seeded_manager(utils.GenerateManager)),
+                (utils, "CBGenerateManager", per_request_manager(utils.CBGenerateManager))]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
     original_generation = utils.GenerationState
 
     class CheckedConfig(original_config):
         def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(RequestChecks(app, model_source, state), *args, **kwargs)
+            super().__init__(RequestChecks(app, model_source, state, batching), *args, **kwargs)
 
     class WatchedServer(original_server):
         def __init__(self, config: Any) -> None:
@@ -303,13 +336,16 @@ def checked_requests(model_source: str) -> Iterator[ServerState]:
             state.generation_state = self
 
     uvicorn.Config, uvicorn.Server = CheckedConfig, WatchedServer
-    completion.CompletionHandler = token_ids_completion_handler(original_handler)
     utils.GenerationState = RecordedGenerationState
+    for module, name, replacement in replaced:
+        setattr(module, name, replacement)
     try:
         yield state
     finally:
         uvicorn.Config, uvicorn.Server = original_config, original_server
-        completion.CompletionHandler, utils.GenerationState = original_handler, original_generation
+        utils.GenerationState = original_generation
+        for module, name, original in originals:
+            setattr(module, name, original)
         if state.generation_state is not None:
             # The server never stops its continuous-batching thread, which is not a daemon: without this the process
             # outlives its server (after SIGTERM too) until it is killed.

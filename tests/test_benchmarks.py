@@ -150,3 +150,27 @@ def test_vllm_benchmark_end_to_end(tmp_path):
     assert rows["llama"][4] == "1.000" and rows["llama"][7] == "1.000"
     assert rows["llama_2"][7] == rows["learnable_plus"][7] == "1.000"
     assert all(float(cells[2]) > 0 for cells in rows.values())
+
+
+def test_capacity_benchmark_smoke(tmp_path):
+    """The decode-heavy capacity benchmark's GPU command rehearsed at toy size on the CPU (`--smoke`): every request
+    of every measured run is answered to its length; one budget holds more SVFormer sequences (4 layers: 2L/(L+1) =
+    1.6x, in whole sequences 3 for 2 and 6 for 4) and the engine keeps more of them running; the report renders."""
+    from benchmarks.gpu.record import read_records
+    from benchmarks.serving import bench_capacity
+
+    bench_capacity.main(["--smoke", "--out", str(tmp_path)])
+    runs = [r for r in read_records(tmp_path / "capacity.jsonl") if r["part"] == "capacity"]
+    work = bench_capacity.SMOKE_WORKLOAD
+    assert len(runs) == len(bench_capacity.MODELS) * len(work["budgets"]) * work["rounds"], runs
+    assert all(r["ok"] and r["new_tokens"] == r["requests"] * work["new_tokens"] for r in runs), runs
+    held = {(r["budget_llama_sequences"], r["name"].split("/")[1]): r for r in runs}
+    assert {key: r["sequences"] for key, r in held.items()} == {(2, "llama"): 2, (2, "svformer"): 3,
+                                                                (4, "llama"): 4, (4, "svformer"): 6}
+    for budget in work["budgets"]:
+        assert held[(budget, "svformer")]["mean_concurrency"] > held[(budget, "llama")]["mean_concurrency"]
+        assert held[(budget, "llama")]["requests"] == bench_capacity.QUEUE * held[(budget, "svformer")]["sequences"]
+    assert all(r["step_ms"] and r["attention"] for r in runs)
+    bench_capacity.main(["--report", str(tmp_path / "capacity.jsonl"), "--report-to", str(tmp_path / "capacity.md")])
+    page = (tmp_path / "capacity.md").read_text()
+    assert "| 2 | 1 | 2 / 3 |" in page and "| 4 | 1 | 4 / 6 |" in page and "Verdict: at the tightest budget" in page

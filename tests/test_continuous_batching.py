@@ -187,3 +187,34 @@ def test_paged_cache_gives_pages_only_to_layers_that_store_keys_or_values(case):
     for layer in range(layers):
         assert views[layer][0].data_ptr() == views[sources[layer]][0].data_ptr()
     assert len({keys.data_ptr() for keys, _ in views.values()}) == len(set(sources))
+
+
+@pytest.mark.parametrize("case", ["cla2", "cla3", "svformer_cla2", "svformer_8"])
+def test_block_table_pages_are_what_the_producer_wrote(case):
+    """The block-table path (what flash paged attention reads, `get_cache_for_block_table`, on a GPU): every layer's
+    page views show the keys and values its producer (for SVFormer's values: layer 0) wrote through the token path,
+    at the page and row the block table gives."""
+    fields, layers, _, _ = PAGED_BYTES[case]
+    config = tiny_config(**{**fields, "num_hidden_layers": layers})
+    (allocator,) = _paged_cache(config).cache_allocators.values()
+    page, stride = allocator.tokens_per_page, allocator.block_physical_stride // allocator.tokens_per_page
+    sources = config.key_value_source_layers
+    values_from = {layer: 0 if allocator.values_once else sources[layer] for layer in range(layers)}
+    # Tokens at two rows of block 0 and one of block 3 (the block table's entry for block b is b × stride).
+    blocks_rows = [(0, 0), (0, page - 1), (3, 5)]
+    write_index = torch.tensor([block * allocator.block_physical_stride + row for block, row in blocks_rows])
+    written = {}
+    generator = torch.Generator().manual_seed(0)
+    first_values = torch.randn(len(blocks_rows), config.num_key_value_heads, config.head_dim, generator=generator)
+    for producer in sorted(set(sources)):
+        keys, values = (torch.randn(len(blocks_rows), config.num_key_value_heads, config.head_dim,
+                                    generator=generator) for _ in range(2))
+        values = first_values if allocator.values_once else values  # SVFormer's layers all write V_0
+        allocator.update(keys, values, producer, torch.tensor([], dtype=torch.long), write_index)
+        written[producer] = (keys, values)
+    for layer in range(layers):
+        k_pages, v_pages = allocator.get_cache_for_block_table(layer)
+        for token, (block, row) in enumerate(blocks_rows):
+            where = (layer, block, row)
+            assert torch.equal(k_pages[block * stride, row], written[sources[layer]][0][token]), where
+            assert torch.equal(v_pages[block * stride, row], written[values_from[layer]][1][token]), where

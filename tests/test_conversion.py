@@ -26,6 +26,7 @@ from transformers import (
 
 from resformer_hf import ConversionError, ResFormerForCausalLM, convert_llama_checkpoint
 from resformer_hf.cli.convert import main as cli_main
+from resformer_hf.hub import SAMPLING_DEFAULTS
 from resformer_hf.registration import full_auto_map
 from resformer_hf.text import sample_text
 
@@ -192,13 +193,37 @@ def test_sharded_output_keeps_layout_and_copies_side_files(sources, tmp_path):
     assert len(shard_names) > 2 and report.num_shards == len(shard_names)
     assert sorted(p.name for p in dst.glob("*.safetensors")) == shard_names
     assert not list(dst.glob("*.bin")) and not list(tmp_path.glob(".out.partial-*"))
-    for name in ("generation_config.json", "tokenizer_config.json"):
-        assert (dst / name).read_bytes() == (src / name).read_bytes()
+    assert (dst / "tokenizer_config.json").read_bytes() == (src / "tokenizer_config.json").read_bytes()
     card = (dst / "README.md").read_text()
     assert "learnable" in card and "preserve" in card and str(src) in card
     config = json.loads((dst / "config.json").read_text())
     assert config["model_type"] == "resformer" and config["architectures"] == ["ResFormerForCausalLM"]
     assert config["value_residual_lambda_first"] == 0.0 and config["value_residual_lambda_self"] == 1.0
+
+
+def test_converted_folder_says_how_the_model_samples(sources, tmp_path):
+    """A source generation_config that leaves do_sample unset gets OpenAI's defaults (temperature 1, no top-k or
+    nucleus), its other fields kept; one that says how the source samples (Llama 3's) is copied byte for byte; a
+    source without one gets one, with the model's token ids."""
+    unset = shutil.copytree(sources["llama-tied"], tmp_path / "unset")
+    before = json.loads((unset / "generation_config.json").read_text())
+    assert "do_sample" not in before
+    convert_llama_checkpoint(unset, tmp_path / "unset-out", progress=False, verify=False)
+    after = json.loads((tmp_path / "unset-out" / "generation_config.json").read_text())
+    assert {key: after.get(key) for key in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
+    assert {key: after[key] for key in before if key != "_from_model_config"} == {
+        key: value for key, value in before.items() if key != "_from_model_config"}
+    sampling = shutil.copytree(sources["llama-tied"], tmp_path / "sampling")
+    (sampling / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6, "top_p": 0.9}))
+    convert_llama_checkpoint(sampling, tmp_path / "sampling-out", progress=False, verify=False)
+    assert (tmp_path / "sampling-out" / "generation_config.json").read_bytes() == (
+        sampling / "generation_config.json").read_bytes()
+    (sampling / "generation_config.json").unlink()
+    convert_llama_checkpoint(sampling, tmp_path / "none-out", progress=False, verify=False)
+    written = json.loads((tmp_path / "none-out" / "generation_config.json").read_text())
+    assert {key: written.get(key) for key in SAMPLING_DEFAULTS} == SAMPLING_DEFAULTS
+    assert written["eos_token_id"] == json.loads((sampling / "config.json").read_text())["eos_token_id"]
 
 
 def test_sentencepiece_tokenizer_checkpoint(tmp_path):

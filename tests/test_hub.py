@@ -359,3 +359,24 @@ def test_upload_folder_to_hub_skips_what_hf_upload_skips(monkeypatch, tmp_path):
     assert set(ours) == set(hf_upload) - ours_only_skips
     assert set(ours) == {"config.json", "model.safetensors", ".gitattributes", "sub/notes.txt"}
     assert all(content == name.encode() for name, content in ours.items())
+
+
+def test_saved_folders_say_how_the_model_samples(tmp_path):
+    """save_pretrained alone writes only token ids into generation_config.json, and each reader fills in the rest its
+    own way (`generate()` and `transformers serve` greedy, vLLM at temperature 1): the Hub writer adds OpenAI's
+    defaults, so the folder samples when loaded; a model whose generation config says greedy stays greedy."""
+    model = ResFormerForCausalLM(tiny_config("svformer")).eval()
+    resformer_hub.save_for_hub(model, tmp_path / "unset")
+    written = json.loads((tmp_path / "unset" / "generation_config.json").read_text())
+    assert {key: written.get(key) for key in resformer_hub.SAMPLING_DEFAULTS} == resformer_hub.SAMPLING_DEFAULTS
+    loaded = ResFormerForCausalLM.from_pretrained(tmp_path / "unset").eval()
+    prompt = torch.randint(3, loaded.config.vocab_size, (1, 4))
+    draws = set()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        draws.add(tuple(loaded.generate(prompt, max_new_tokens=12, pad_token_id=0)[0].tolist()))
+    assert len(draws) == 3
+    model.generation_config.do_sample = False
+    resformer_hub.save_for_hub(model, tmp_path / "greedy")
+    written = json.loads((tmp_path / "greedy" / "generation_config.json").read_text())
+    assert written["do_sample"] is False and "temperature" not in written

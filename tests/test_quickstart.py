@@ -65,6 +65,8 @@ def test_converts_a_given_model_fine_tunes_and_writes_a_loadable_folder(tmp_path
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "resformer" and config["value_residual"] == "learnable_plus"
+    sampling = json.loads((out / "generation_config.json").read_text())
+    assert {key: sampling[key] for key in quickstart.SAMPLING} == quickstart.SAMPLING  # as its sample was drawn
     assert config["use_cache"] is True  # publishable: the Trainer's training-time setting is not kept
     card = ModelCard.load(out / "README.md")
     assert card.data.pipeline_tag == "text-generation" and "license" not in card.data.to_dict()

@@ -1,6 +1,8 @@
-"""`resformer-serve`'s request checks and answer merging, without a server (fast; the servers themselves are tested
-in test_serving_hf.py): OpenAI's ranges for the sampling fields, every form of `prompt`, token counts that are exact
-or, for a huge prompt, a bound that is right, and merged answers whose choices, usage and failures are the parts'."""
+"""`resformer-serve`'s request checks, sampling and answer merging, without a server (fast; the servers themselves are
+tested in test_serving_hf.py and test_serving_requests.py): OpenAI's ranges for the sampling fields and its sampling
+semantics, every form of `prompt`, token counts that are exact or, for a huge prompt, a bound that is right, requests
+keyed by the server's own ids with one right content-length, and merged answers whose choices, usage and failures are
+the parts'."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import random
 
 import pytest
+from transformers import GenerationConfig
 
 from resformer_hf.serving_checks import (
     MAX_CHOICES,
@@ -18,6 +21,8 @@ from resformer_hf.serving_checks import (
     length_problem,
 )
 from resformer_hf.serving_fanout import fan_out, part_bodies
+from resformer_hf.serving_hf import ModelFacts, RequestChecks
+from resformer_hf.serving_sampling import batching_problem, openai_sampling, per_request_sampling
 from resformer_hf.text import sample_text, train_tokenizer
 
 
@@ -29,6 +34,8 @@ from resformer_hf.text import sample_text, train_tokenizer
     ({"n": 1}, None), ({"n": MAX_CHOICES}, None), ({"n": 0}, "n must"), ({"n": 2.0}, "n must"),
     ({"n": MAX_CHOICES + 1}, "n must"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": None, "temperature": None, "top_p": None, "n": None}, None),
+    ({"seed": 7}, None), ({"seed": -1}, None), ({"seed": 1.5}, "seed must"), ({"seed": "7"}, "seed must"),
+    ({"seed": 2**64}, "seed must"), ({"seed": True}, "seed must"),
 ])
 def test_sampling_fields_follow_openais_ranges(body, words):
     problem = field_problem("/v1/completions", body)
@@ -89,8 +96,11 @@ def test_part_bodies_are_one_choice_each():
 def _echo_app(fail_on: str | None = None):
     """An ASGI app answering as `transformers serve` does, with the prompt upper-cased (status 503 for `fail_on`)."""
     async def app(scope, receive, send):
-        body = json.loads((await receive())["body"])
+        raw = (await receive())["body"]
+        body = json.loads(raw)
         headers = dict(scope["headers"])
+        lengths = [value for key, value in scope["headers"] if key.lower() == b"content-length"]
+        assert lengths == [str(len(raw)).encode()], lengths  # one content-length, the body's
         prompt = body["prompt"]
         if prompt == fail_on:
             payload = json.dumps({"error": "CB worker is dead"}).encode()
@@ -124,8 +134,9 @@ def _run(app, prompts: list[str], n: int, stream: bool) -> tuple[int, bytes]:
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"x-request-id", b"r")]}
     body = {"prompt": prompts, "n": n, "stream": stream}
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"x-request-id", b"r"), (b"content-length", str(len(json.dumps(body))).encode())]}
     asyncio.run(fan_out(app, scope, receive, send, part_bodies(body, prompts, n), n, stream))
     return sent[0]["status"], b"".join(message.get("body", b"") for message in sent[1:])
 
@@ -157,3 +168,103 @@ def test_merged_answers_number_the_choices_and_sum_the_usage(stream):
 def test_a_failing_part_fails_the_request_with_its_status_and_message(stream):
     status, raw = _run(_echo_app(fail_on="cde"), ["ab", "cde"], 1, stream)
     assert (status, json.loads(raw)) == (503, {"error": "CB worker is dead"})
+
+
+FOLDERS = {"greedy": GenerationConfig(do_sample=False),
+           "filtered": GenerationConfig(do_sample=True, temperature=0.3, top_k=1, top_p=0.2, min_p=0.5)}
+OPENAI_T1 = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"temperature": 0}, {"do_sample": False}),
+    ({"temperature": 0, "top_p": 0.5}, {"do_sample": False}),
+    ({"temperature": 1.8}, {**OPENAI_T1, "temperature": 1.8}),
+    ({"temperature": 1}, OPENAI_T1),
+    ({"top_p": 0.5}, {**OPENAI_T1, "top_p": 0.5}),
+    ({"temperature": 0.7, "top_p": 0.9}, {**OPENAI_T1, "temperature": 0.7, "top_p": 0.9}),
+])
+def test_a_request_that_names_its_sampling_gets_openais(folder, body, expected):
+    """Whatever the folder says (greedy, or sampling through filters): temperature 0 is greedy, > 0 samples at that
+    temperature from the nucleus top_p with no other filter; a request that names neither keeps the folder's."""
+    config = openai_sampling(body, GenerationConfig(**FOLDERS[folder].to_diff_dict()))
+    assert {name: getattr(config, name) for name in expected} == expected
+    untouched = openai_sampling({"max_tokens": 3, "seed": 4}, GenerationConfig(**FOLDERS[folder].to_diff_dict()))
+    assert untouched.to_diff_dict() == FOLDERS[folder].to_diff_dict()
+
+
+def test_continuous_batching_samples_each_request_as_generate_would():
+    """The batching engine's per-request settings: greedy is top-k 1; a field left unset is `generate()`'s default
+    (temperature 1, top-k 50, top-p 1); OpenAI's "no top-k" keeps every token, a top-k beyond the vocabulary too."""
+    greedy = {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+    assert per_request_sampling(GenerationConfig(do_sample=False), 512) == greedy
+    assert per_request_sampling(GenerationConfig(do_sample=True), 512) == {"temperature": 1.0, "top_k": 50,
+                                                                           "top_p": 1.0}
+    assert per_request_sampling(GenerationConfig(do_sample=True), 32)["top_k"] == 32
+    openai = openai_sampling({"temperature": 0.7, "top_p": 0.9}, GenerationConfig(do_sample=False))
+    assert per_request_sampling(openai, 512) == {"temperature": 0.7, "top_k": 512, "top_p": 0.9}
+    assert all(type(value) is type(default) for value, default in zip(
+        per_request_sampling(openai, 512).values(), (1.0, 1, 1.0)))  # the engine checks the types
+
+
+def test_what_one_batching_engine_cannot_do_is_named_with_the_flag():
+    assert batching_problem({"temperature": 1.5, "top_p": 0.5, "max_tokens": 3, "prompt": "x"}) is None
+    message = batching_problem({"seed": 1, "stop": ["."], "temperature": 1})
+    assert message.startswith("seed, stop cannot be honoured") and "--continuous-batching" in message
+    assert "takes only temperature, top_p and max_tokens per request" in message
+
+
+def _checked(tokenizer, requests: list[tuple[dict, list]]) -> tuple[list[dict], list[list[dict]]]:
+    """(the scope and body the app saw, the messages each client got) for `requests` (body, headers) sent at once
+    through `RequestChecks` to an app that answers 200 with the id it was given."""
+    seen = []
+
+    async def app(scope, receive, send):
+        raw = (await receive())["body"]
+        seen.append({"headers": scope["headers"], "body": raw})
+        request_id = dict(scope["headers"])[b"x-request-id"]
+        await asyncio.sleep(0.01)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-request-id", request_id)]})
+        await send({"type": "http.response.body", "body": json.dumps({"id": request_id.decode()}).encode()})
+
+    checks = RequestChecks(app, "unused")
+    checks._facts = ModelFacts(tokenizer, 128, len(tokenizer))
+
+    async def one(body: dict, headers: list) -> list[dict]:
+        raw, sent = json.dumps(body).encode(), []
+
+        async def receive():
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [*headers, (b"content-length", str(len(raw)).encode())]}
+        await checks(scope, receive, send)
+        return sent
+
+    async def all_at_once():
+        return await asyncio.gather(*(one(body, headers) for body, headers in requests))
+
+    return seen, asyncio.run(all_at_once())
+
+
+def test_requests_are_keyed_by_the_servers_own_ids_and_carry_one_content_length(tokenizer):
+    """Two requests at once with one X-Request-ID reach the server under two ids of its own; each client gets its
+    X-Request-ID back (one that gave none gets the server's). The checks rewrite the body (a one-prompt list becomes
+    the prompt), and the server sees that body's content-length only."""
+    client = [(b"X-Request-ID", b"same")]
+    seen, answers = _checked(tokenizer, [({"prompt": ["It"], "max_tokens": 2}, client),
+                                         ({"prompt": ["It is"], "max_tokens": 2}, client),
+                                         ({"prompt": "It", "max_tokens": 2}, [])])
+    ids = [dict(request["headers"])[b"x-request-id"] for request in seen]
+    assert len(set(ids)) == 3 and b"same" not in ids, ids
+    for request in seen:
+        lengths = [value for key, value in request["headers"] if key.lower() == b"content-length"]
+        assert lengths == [str(len(request["body"])).encode()], lengths
+        assert [key for key, _ in request["headers"]].count(b"x-request-id") == 1
+    assert sorted(json.loads(request["body"])["prompt"] for request in seen) == ["It", "It", "It is"]
+    echoed = [[value for key, value in sent[0]["headers"] if key == b"x-request-id"] for sent in answers]
+    assert echoed[:2] == [[b"same"], [b"same"]]
+    assert echoed[2] == [json.loads(answers[2][1]["body"])["id"].encode()]  # no client id: the server's own

@@ -47,6 +47,17 @@ def environment(device: torch.device) -> dict:
                 date=time.strftime("%Y-%m-%d"), cpus=os.cpu_count())
 
 
+def open_run(path: Path, smoke: bool, **fields) -> tuple[torch.device, Recorder]:
+    """The device a run measures on (the CPU for `smoke`, else a CUDA GPU, or exit saying so) and its recorder, whose
+    first line is the environment and `fields`."""
+    device = torch.device("cpu" if smoke else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: this run needs one (use --smoke to rehearse it on the CPU)")
+    recorder = Recorder(path, time.monotonic())
+    recorder.write("run", "environment", ok=None, smoke=smoke, **fields, **environment(device))
+    return device, recorder
+
+
 def allow_recompiles() -> None:
     """Every variant compiles the same `forward` code objects with other guards: past dynamo's default of 8 graphs
     per code object the later variants would run eagerly, silently, and time as if compiled."""
@@ -71,14 +82,9 @@ def main(argv=None) -> None:
 
         print(f"wrote {write_report(*args.report)}")
         return
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU: this run needs one (use --smoke to rehearse it on the CPU)")
+    device, recorder = open_run(args.out / "gpu.jsonl", args.smoke, parts=args.parts, variants=args.variants,
+                                seconds=args.seconds)
     allow_recompiles()
-    started = time.monotonic()
-    recorder = Recorder(args.out / "gpu.jsonl", started)
-    recorder.write("run", "environment", ok=None, smoke=args.smoke, parts=args.parts, variants=args.variants,
-                   seconds=args.seconds, **environment(device))
     plan = Plan(device, args.smoke, tuple(args.variants))
     schedule = Schedule(args.seconds, {part: SHARES[part] for part in args.parts})
     for part in args.parts:

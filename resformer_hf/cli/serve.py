@@ -89,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         if hasattr(error, "format_message"):  # a usage error: unknown option, bad value
             raise UserInputError(f"{one_line(error.format_message())} (see {PROG} FOLDER --help)") from None
         raise
-    with context, checked_requests(source) as state:
+    with context, checked_requests(source, batching=bool(context.params.get("continuous_batching"))) as state:
         command.invoke(context)
     if state.worker_died is not None:
         print(f"{PROG}: error: the continuous-batching worker died (its error is in the log above) and the server "

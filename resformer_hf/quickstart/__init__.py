@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..text import SAMPLE_DESCRIPTION
 from .steps import (
+    SAMPLING,
     SMALL_LLAMA,
     QuickstartError,
     TrainingResult,
@@ -28,6 +29,7 @@ from .workflow import DEFAULT_OUTPUT, QuickstartOutcome, QuickstartSettings, run
 __all__ = [
     "DEFAULT_OUTPUT",
     "SAMPLE_DESCRIPTION",
+    "SAMPLING",
     "SMALL_LLAMA",
     "QuickstartError",
     "QuickstartOutcome",

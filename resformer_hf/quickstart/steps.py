@@ -221,6 +221,10 @@ def fine_tune(
     )
 
 
+#: How the quickstart's model samples: its sample, and the generation_config.json of the folder it writes.
+SAMPLING = {"do_sample": True, "top_k": 40, "temperature": 0.8, "top_p": 1.0}
+
+
 def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: int) -> str:
     import torch
 
@@ -230,12 +234,12 @@ def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int, seed: in
     pad = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     with torch.no_grad():
         output = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-                                max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
-                                pad_token_id=pad)
+                                max_new_tokens=max_new_tokens, **SAMPLING, pad_token_id=pad)
     return tokenizer.decode(output[0], skip_special_tokens=True)
 
 
 __all__ = [
+    "SAMPLING",
     "SMALL_LLAMA",
     "QuickstartError",
     "TrainingResult",

@@ -21,6 +21,7 @@ from ..conversion.staging import OutputPathError, StagedDirectory, check_output_
 from ..hub import save_for_hub, upload_folder_to_hub
 from ..text import train_tokenizer
 from .steps import (
+    SAMPLING,
     QuickstartError,
     TrainingResult,
     build_small_llama,
@@ -171,6 +172,7 @@ def _training_facts(settings: QuickstartSettings, description: str, result: Trai
 def _write_folder(settings: QuickstartSettings, output: Path, model, tokenizer, card_training: dict,
                   hub_datasets: list[str]) -> None:
     """The Hub-ready folder, staged beside `output` and moved into place when complete."""
+    model.generation_config.update(**SAMPLING)  # the folder samples as the quickstart's sample was drawn
     with StagedDirectory(output) as staged:
         save_for_hub(model, staged.path, tokenizer=tokenizer, base_model=settings.model, init=settings.resolved_init,
                      datasets=hub_datasets or None, training=card_training,
