@@ -100,6 +100,7 @@ class Plan:
     device: torch.device
     smoke: bool = False
     variants: tuple[str, ...] = ()
+    pretrain: object = None  #: the `pretrain` part's options (`pretrain.Options`; None: its defaults)
 
     def pick(self, priority: list[str], smoke_subset: list[str]) -> list[str]:
         """`priority` in order, narrowed to the smoke subset or to `variants` (the first entry, the control, stays)."""

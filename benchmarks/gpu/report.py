@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .pretrain_report import section as pretrain_section
 from .record import read_records
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -186,6 +187,6 @@ def write_report(*paths: Path, out: Path = GPU_MD) -> Path:
              + ", ".join(f"[{p.name}](gpu/{p.name})" for p in paths) + ".", "",
              *environment_lines(runs, paths), "",
              *correctness_section(found), *training_section(found), *capacity_section(found),
-             *decode_section(found)]
+             *decode_section(found), *pretrain_section(runs, out.with_name("gpu_pretrain.png"))]
     out.write_text("\n".join(lines), encoding="utf-8")
     return out

@@ -38,7 +38,7 @@ class Data:
         return len(self.tokenizer)
 
 
-def _cached_tokenizer(train_texts: list[str], vocab_size: int, cache: Path | None):
+def cached_tokenizer(train_texts: list[str], vocab_size: int, cache: Path | None):
     """The text pipeline's byte-level BPE, trained on the training split only; cached so resumed runs skip it."""
     from transformers import AutoTokenizer
 
@@ -72,7 +72,7 @@ def prepare_data(texts: Sequence[str], *, vocab_size: int, val_fraction: float, 
     train_texts, val_texts = split_documents(texts, val_fraction)
     digest = hashlib.sha1("\0".join([str(vocab_size), *train_texts, "\1", *val_texts]).encode()).hexdigest()
     folder = Path(tempfile.gettempdir()) / f"resformer-bench-data-{digest[:12]}" if cache else None
-    tokenizer = _cached_tokenizer(train_texts, vocab_size, folder)
+    tokenizer = cached_tokenizer(train_texts, vocab_size, folder)
     streams = _cached_streams(tokenizer, train_texts, val_texts, folder)
     train, val = pack_blocks(streams["train"], seq_len), pack_blocks(streams["val"], seq_len)
     if len(train) == 0 or len(val) == 0:

@@ -141,6 +141,19 @@ def parameter_groups(model, weight_decay: float, lr: float, lambda_lr_scale: flo
     return groups
 
 
+def optimizer_and_schedule(model, budget: Budget, steps: int, lambda_lr_scale: float = 1.0, *,
+                            fused: bool = False) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (β 0.9, 0.95) over `parameter_groups`, and its schedule: linear warmup over `budget.warmup` of `steps`,
+    then cosine decay to `budget.min_lr_rate` of the peak. `fused`: the fused kernel (a GPU's choice)."""
+    groups = parameter_groups(model, budget.weight_decay, budget.lr, lambda_lr_scale)
+    optimizer = torch.optim.AdamW(groups, lr=budget.lr, betas=(0.9, 0.95), fused=fused or None)
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=max(1, int(budget.warmup * steps)), num_training_steps=steps,
+        min_lr_rate=budget.min_lr_rate,
+    )
+    return optimizer, scheduler
+
+
 def train(model, data: Data, budget: Budget, order: torch.Tensor, device: torch.device, *, label: str = "",
           probe: Callable[[object], object] | None = None, lambda_lr_scale: float = 1.0) -> dict:
     """Train `model` on `data.train[order[step]]` for `len(order)` steps and return its validation curve.
@@ -150,13 +163,8 @@ def train(model, data: Data, budget: Budget, order: torch.Tensor, device: torch.
     (optimizer steps only, evaluation excluded) and, with `probe`, `probes`: `probe(model)` at every evaluation.
     """
     model.to(device).train()
-    groups = parameter_groups(model, budget.weight_decay, budget.lr, lambda_lr_scale)
-    optimizer = torch.optim.AdamW(groups, lr=budget.lr, betas=(0.9, 0.95))
     steps = len(order)
-    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=max(1, int(budget.warmup * steps)), num_training_steps=steps,
-        min_lr_rate=budget.min_lr_rate,
-    )
+    optimizer, scheduler = optimizer_and_schedule(model, budget, steps, lambda_lr_scale)
     eval_batch = budget.batch_size * 2
     curve = [(0, validation_loss(model, data.val, eval_batch, device))]
     probes = [probe(model)] if probe else []
