@@ -179,7 +179,7 @@ def project_and_mix(hidden_states: torch.Tensor, v_proj: nn.Module, first: torch
 
 class ValueGate(nn.Linear):
     """A gated layer's gate: the logits `W_g h + b_g` of the mix of each token and kv head, from the layer's
-    normalised input ([..., hidden] → [..., H_kv]); the layer attends over `V_n + g·(V_0 − V_n)`, `g = g0 − 0.5 + σ(·)`.
+    normalised input ([..., hidden] → [..., H_kv]); the layer attends over `V_n + g·(V_0 − V_n)`, g = g0 − 0.5 + σ(·).
 
     Why this form: a mix per token, as later work trains it (x-transformers' `lerp(v, v_0, σ(W h + b))` per head,
     RWKV-7's per channel); a lerp, so the mix stays within `g0 ± 0.5`; W_g and b_g start at zero, so every token

@@ -3,8 +3,9 @@ independent reference (`tests/reference.py`).
 
 `readable_as_numbers` is False off the CPU, under `torch.compile` and for sharded parameters; on the CPU the λ are
 otherwise read as Python numbers (`ValueResidual.layer_mixes`), so every other test runs the numbers path and none of
-the tensor path's own code (the λ columns of `layer_mixes`, `ScaledPerReceiver`, the λ_self `addcmul`). Here `lambdas_as_tensors` forces it on the CPU, for every variant and the CLA2 options, with λ
-moved off their initial values, at lengths on both sides of `BATCHED_SCALING_MAX_TOKENS` (V_0 scaled for every
+the tensor path's own code (the λ columns of `layer_mixes`, `ScaledPerReceiver`, the λ_self `addcmul`). Here
+`lambdas_as_tensors` forces it on the CPU, for every variant and the CLA2 options, with λ moved off their initial
+values, at lengths on both sides of `BATCHED_SCALING_MAX_TOKENS` (V_0 scaled for every
 receiver at once, or by each receiver when it runs): a no-grad forward, and greedy decoding with a dynamic and a
 static cache after a short and a long prefill; and in bfloat16 with λ kept float32, as a GPU user loads a model.
 """

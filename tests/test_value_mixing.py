@@ -109,7 +109,8 @@ def test_project_and_mix_first_passes_gradcheck_and_matches_plain_ops(kv_heads, 
     own = projected(torch.nn.functional.linear(hidden, *params.values()), kv_heads)
     first_weight, own_weight = (weights[0, 1], weights[1, 1]) if learnable else weights
     expected = first_weight * projected(first, kv_heads) + own_weight * own
-    assert torch.allclose(mix_values(own, projected(first, kv_heads), (first_weight, own_weight)), expected, atol=1e-12)
+    mixed = mix_values(own, projected(first, kv_heads), (first_weight, own_weight))
+    assert torch.allclose(mixed, expected, atol=1e-12)
     assert torch.allclose(fused(*inputs), expected, atol=1e-12)
     if learnable:  # λ that are not views of one table take the stacked path, with the same values and gradients
         pair = [t.detach().clone().requires_grad_() for t in (weights[0, 1], weights[1, 1])]
