@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from .value_mixing import dense_values
-from .value_residual import readable_as_numbers
+from .value_residual import ExactBuffers, readable_as_numbers
 
 
-class DepthWeightedAverage(nn.Module):
+class DepthWeightedAverage(ExactBuffers):
     """Every DWA weight of a DenseFormer: offsets [L, L + 1] from the identity; entries outside a row's sources are
     masked out (and get no gradient)."""
 
@@ -36,13 +36,14 @@ class DepthWeightedAverage(nn.Module):
             return None
         return cls(config.num_hidden_layers, config.denseformer_dilation_resolved)
 
-    def initial_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def initial_buffers(self, device: torch.device, dtype: torch.dtype = torch.float32
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """α at zero offsets (the identity: block i reads X_i) and the mask of each row's sources."""
         rows = self.weight_offset.shape[0]
         block = torch.arange(1, rows + 1, device=device)[:, None]  # row r is block i = r + 1
         source = torch.arange(rows + 1, device=device)[None, :]
         mask = (source <= block) & ((block - source) % self.dilation == 0)
-        return (source == block).float(), mask.float()
+        return (source == block).to(dtype), mask.to(dtype)
 
     def forward(self) -> torch.Tensor:
         """α [L, L + 1] in float32 (offsets upcast by type promotion, as for the λ), masked to each row's sources."""

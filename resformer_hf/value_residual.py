@@ -42,7 +42,21 @@ def readable_as_numbers(module: nn.Module) -> bool:
                for p in module._parameters.values())
 
 
-class ValueResidual(nn.Module):
+class ExactBuffers(nn.Module):
+    """A module whose buffers `initial` and `mask` hold exact float32 constants (`initial_buffers`): they are made anew
+    after every `_apply` (`.to()`, `.bfloat16()`, DeepSpeed's casts), which would otherwise round them (bf16 holds 0.4
+    as 0.4004)."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        dtype = torch.promote_types(self.initial.dtype, torch.float32)  # float32, or float64 after `.double()`
+        for name, fresh in zip(("initial", "mask"), self.initial_buffers(self.initial.device, dtype)):
+            if fresh is not None:
+                self._buffers[name] = fresh
+        return self
+
+
+class ValueResidual(ExactBuffers):
     """Every λ of the model (one module, not one per layer: a softmax couples the layers, and optimisers, PEFT's
     `modules_to_save=["value_residual"]` and model cards get one name to find).
 
@@ -83,7 +97,8 @@ class ValueResidual(nn.Module):
         #: (the λ offsets read as numbers, the mixes built from them), reused while the offsets read the same
         self._numeric: tuple[tuple, tuple[LayerMix, ...]] | None = None
 
-    def initial_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def initial_buffers(self, device: torch.device, dtype: torch.dtype = torch.float32
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The table at zero offsets (fixed λ: the table itself), and dense's mask of the columns each row reads.
 
         Zeros made in float32 and then filled: DeepSpeed's `zero.Init` turns what `torch.tensor`/`full` create into
@@ -91,12 +106,12 @@ class ValueResidual(nn.Module):
         """
         n = len(self.receivers)
         if self.parameterisation != DENSE:
-            initial = torch.zeros(2, n, device=device).float()
+            initial = torch.zeros(2, n, device=device).to(dtype)
             initial[0] = 0.0 if self.parameterisation == SOFTMAX else (self.lambda_first_init or 0.0)
             initial[1] = self.lambda_self_init if self.lambda_self_init is not None else 1.0
             return initial, None
-        initial = torch.zeros(n, self.num_layers, device=device).float()
-        mask = torch.zeros(n, self.num_layers, device=device).float()
+        initial = torch.zeros(n, self.num_layers, device=device).to(dtype)
+        mask = torch.zeros(n, self.num_layers, device=device).to(dtype)
         for row, layer in enumerate(self.receivers):
             mask[row, : layer + 1] = 1.0
             initial[row, 0] = self.lambda_first_init
@@ -125,8 +140,10 @@ class ValueResidual(nn.Module):
         if self.parameterisation == PAIR:
             return torch.stack((self.lambda_first_offset, self.lambda_self_offset)) + self.initial
         if self.parameterisation == SOFTMAX:
-            first = torch.softmax(self.lambda_logits.float(), 0) * (self.lambda_scale_offset + self.lambda_scale_init)
-            return torch.stack((first, self.lambda_self_offset)) + self.initial
+            dtype = self.initial.dtype  # float32 (float64 in a float64 model), whatever the offsets were cast to
+            scale = self.lambda_scale_offset.to(dtype) + self.lambda_scale_init
+            first = torch.softmax(self.lambda_logits.to(dtype), 0) * scale
+            return torch.stack((first, self.lambda_self_offset.to(dtype))) + self.initial
         if self.parameterisation == DENSE:
             return (self.dense_weight_offset + self.initial) * self.mask
         return self.initial  # fixed λ (and `gated`'s initial mix): constants

@@ -183,6 +183,7 @@ def test_plain_parameterised_lambdas_would_have_decayed(data, tmp_path):
         value_residual.lambda_self_offset += value_residual.lambda_self_init
         value_residual.lambda_scale_offset += value_residual.lambda_scale_init
     value_residual.lambda_self_init = value_residual.lambda_scale_init = 0.0
+    value_residual.initial.zero_()  # the initial values' table (λ_first's row is 0 for learnable_plus anyway)
     torch.testing.assert_close(model.value_residual_lambdas(), before, rtol=0, atol=0)  # the same model
     lambdas = decay_only_run(data, model, tmp_path)
     shrink = (1 - DECAY_LR * DECAY) ** DECAY_STEPS
