@@ -255,13 +255,13 @@ def test_trainer_and_lora_train_the_depth_weights_with_cross_layer_attention(tmp
     tokenizer, dataset = example_data()
     fields = dict(value_residual="denseformer", cross_layer_attention=2, num_hidden_layers=4)
     model = build_model(len(tokenizer), **fields)
-    before = model.model.depth_weighted_average.weights().detach().clone()
+    before = model.model.depth_weighted_average().detach().clone()
     trainer = Trainer(model=model, args=training_arguments(tmp_path / "full", max_steps=8, learning_rate=1e-2),
                       train_dataset=dataset, data_collator=default_data_collator)
     trainer.train()
     losses = step_losses(trainer)
     assert losses[-1] < losses[0] - 0.1
-    assert (model.model.depth_weighted_average.weights() - before).abs().max() > 1e-3
+    assert (model.model.depth_weighted_average() - before).abs().max() > 1e-3
 
     base = build_model(len(tokenizer), **fields)
     base.save_pretrained(tmp_path / "base")

@@ -50,7 +50,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
     ),
     Study(
         "baselines", "DenseFormer and NeuTRENO next to ResFormer; SVFormer next to GQA, CLA and SVFormer × CLA",
-        report="baselines", settings=CONTEXT_512,
+        report="baselines", settings=CONTEXT_512, seeds=tuple(range(10)),
         arms=(
             Arm(BASELINE, description="Llama"),
             Arm("learnable_plus", description="ResFormer (learnable-plus λ)"),
