@@ -1,4 +1,6 @@
-"""DenseFormer's depth-weighted average (Pagliardini et al., 2024), the baseline the ResFormer paper compares with.
+"""Weighted sums over depth: `dense`'s values (`Σ_j W[n, j]·V_j`) and DenseFormer's depth-weighted average of block
+outputs (Pagliardini et al., 2024), the baseline the ResFormer paper compares with. Both keep the earlier layers'
+tensors once, in one buffer that every layer's sum reads with one matrix-vector product (`dense_values`).
 
 After block i (1-based) the next block reads `Y_i = Σ_j α[i, j]·X_j` over the embeddings `X_0` and the block outputs
 `X_1 .. X_i` (with dilation k only `j ≡ i mod k`), instead of the plain residual stream `X_i`. The α are stored as
@@ -12,9 +14,171 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from .value_mixing import dense_values
+from .value_mixing import heads_view, token_major
 from .value_residual import ExactBuffers, readable_as_numbers
+
+# ---- one buffer of earlier tensors, one matrix-vector product a layer -----------------------------------------------
+
+
+def _row_strides(shape: torch.Size) -> tuple[int, ...]:
+    """Strides of a [rows, B, H, T, D] stack whose rows are laid out token-major ([B, T, H, D]) like a projection's
+    output, so that copying V_n into a row is a plain memory copy and a row is a [B·T·H·D] vector."""
+    rows, batch, heads, length, dim = shape
+    return batch * length * heads * dim, length * heads * dim, dim, heads * dim, 1
+
+
+def _is_our_stack_with_room(stack: torch.Tensor, values: torch.Tensor, capacity: int) -> bool:
+    """Whether `stack` is a prefix of a `capacity`-row value buffer (made by `_DenseValues`) with a free next row."""
+    shape = stack.shape
+    row = values.numel() * values.element_size()
+    return (
+        stack.dtype == values.dtype and stack.device == values.device and shape[1:] == values.shape
+        and shape[0] < capacity and stack.storage_offset() == 0 and stack.stride() == _row_strides(shape)
+        and stack.untyped_storage().nbytes() == capacity * row
+    )
+
+
+def _stack_with_row(stack: torch.Tensor | None, values: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`stack` with `values` appended as its next row, sharing one buffer of `capacity` rows across layers.
+
+    The result is a view of the buffer with a version counter of its own (through `.data`), so writing row n does not
+    touch what autograd saved from earlier layers' prefixes: those rows never change. A stack that is not such a
+    prefix (the first layer, a pipeline stage boundary) is copied into a fresh buffer.
+    """
+    rows = 0 if stack is None else stack.shape[0]
+    shape = torch.Size((rows + 1, *values.shape))
+    if stack is not None and _is_our_stack_with_room(stack, values, capacity):
+        grown = stack.data.as_strided(shape, _row_strides(shape))
+    else:
+        size = torch.Size((capacity, *values.shape))
+        grown = torch.empty_strided(size, _row_strides(size), dtype=values.dtype, device=values.device)[: rows + 1]
+        if stack is not None:
+            grown[:rows].copy_(stack)
+    grown[rows].copy_(values)
+    return grown
+
+
+def _alias(stack: torch.Tensor, row: int, shape: torch.Size) -> torch.Tensor:
+    """Row `row` of a stack as a tensor of its own (`.data`: not an autograd view of the stack)."""
+    strides = _row_strides(stack.shape)
+    return stack.data.as_strided(shape, strides[1:], stack.storage_offset() + row * strides[0])
+
+
+def _rows(stack: torch.Tensor) -> torch.Tensor:
+    """A stack as a [rows, B·T·H·D] matrix of token-major rows (a view for stacks made by `_stack_with_row`)."""
+    return stack.transpose(2, 3).reshape(stack.shape[0], -1)
+
+
+def _dense_forward(own, stack, weights, layer_idx, capacity, mix, append):
+    """`_DenseValues`'s forward, which a pass without gradient calls directly."""
+    rows = 0 if stack is None else stack.shape[0]
+    if rows != layer_idx:
+        raise RuntimeError(
+            f"dense layer {layer_idx} received a stack of {rows} value tensors; it needs the values of every "
+            "earlier layer, in order (pass the `residual_values` each decoder layer returns to the next one)."
+        )
+    grown = _stack_with_row(stack, own, capacity) if append else None
+    if not mix:  # attend over the buffer row itself, so V_n is kept once (attention saves it) and `own` is freed
+        return _alias(grown, rows, own.shape), grown
+    vector = weights[: rows + 1].to(own.dtype)
+    if append:
+        mixed_rows = torch.mv(_rows(grown).t(), vector)
+    else:
+        mixed_rows = torch.addmv(token_major(own).reshape(-1) * vector[-1], _rows(stack).t(), vector[:-1])
+    return heads_view(mixed_rows.view(-1, own.shape[1] * own.shape[3]), own), grown
+
+
+class _DenseValues(torch.autograd.Function):
+    """One `dense` layer: mix V_n with the stack of earlier raw values V_0..V_{n-1} and/or append V_n to it.
+
+    Every layer's stack is a prefix of one buffer (`_stack_with_row`), so the raw values are kept once: O(L) memory,
+    not the O(L²) of `torch.cat`-grown stacks that each stay alive for backward. The stack still travels from layer to
+    layer as a tensor argument, which reentrant activation checkpointing needs to propagate its gradient. Returns
+    (the values attention uses, the grown stack or None).
+    """
+
+    @staticmethod
+    def forward(ctx, own, stack, weights, layer_idx, capacity, mix, append):
+        ctx.set_materialize_grads(False)
+        ctx.layer_idx, ctx.mix, ctx.append, ctx.rows = layer_idx, mix, append, 0 if stack is None else stack.shape[0]
+        mixed, grown = _dense_forward(own, stack, weights, layer_idx, capacity, mix, append)
+        if not mix:
+            ctx.save_for_backward(None, None, None)
+            return mixed, grown
+        ctx.save_for_backward(grown if append else stack, None if append else own, weights if mix else None)
+        return mixed, grown
+
+    @staticmethod
+    def backward(ctx, grad_mixed, grad_grown):
+        stack_or_grown, own, weights = ctx.saved_tensors
+        rows = ctx.rows
+        grad_own = grad_stack = grad_weights = None
+        if not ctx.mix:  # append only: V_n's gradient is its row's plus what attention sent to the row itself
+            if grad_grown is not None:
+                grad_own, grad_stack = grad_grown[rows], grad_grown[:rows] if rows else None
+            if grad_mixed is not None:
+                grad_own = grad_mixed if grad_own is None else grad_own + grad_mixed
+            return grad_own, grad_stack, None, None, None, None, None
+        if grad_mixed is None:
+            if grad_grown is not None:
+                grad_own, grad_stack = grad_grown[rows], grad_grown[:rows] if rows else None
+            return grad_own, grad_stack, None, None, None, None, None
+        vector = weights[: rows + 1].to(grad_mixed.dtype)
+        flat = token_major(grad_mixed).reshape(-1)
+        if ctx.append:
+            matrix = _rows(stack_or_grown)
+            if grad_grown is None:
+                grown_grad = torch.outer(vector, flat)
+            else:  # the later layers' gradient for every row plus this layer's, in one pass
+                grown_grad = torch.addr(_rows(grad_grown), vector, flat)
+            grown_grad = grown_grad.view(rows + 1, *grad_mixed.shape).as_strided(
+                stack_or_grown.shape, _row_strides(stack_or_grown.shape)
+            )
+            grad_own, grad_stack = grown_grad[rows], grown_grad[:rows] if rows else None
+            mixed_grads = torch.mv(matrix, flat) if ctx.needs_input_grad[2] else None
+        else:
+            stack = stack_or_grown
+            grad_stack = torch.outer(vector[:-1], flat).as_strided(stack.shape, _row_strides(stack.shape))
+            grad_own = heads_view((flat * vector[-1]).view(-1, own.shape[1] * own.shape[3]), own)
+            mixed_grads = None
+            if ctx.needs_input_grad[2]:
+                own_grad = torch.dot(token_major(own).reshape(-1), flat)
+                mixed_grads = torch.cat((torch.mv(_rows(stack), flat), own_grad.unsqueeze(0)))
+        if mixed_grads is not None:  # columns after this layer's get no gradient
+            grad_weights = F.pad(mixed_grads, (0, weights.shape[0] - rows - 1))
+        return grad_own, grad_stack, grad_weights, None, None, None, None
+
+
+def dense_values(
+    own: torch.Tensor, earlier: torch.Tensor | tuple | None, weights: torch.Tensor | None, layer_idx: int,
+    capacity: int, mix: bool, append: bool,
+) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
+    """`Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n` when layer n mixes (else V_n itself), and the stack of earlier values with
+    V_n appended when a later layer reads it: `dense`'s values and DenseFormer's depth average (V as [B, 1, T, C]).
+
+    `capacity` is the number of rows the stack reaches; layer 0 passes `None` and allocates it, once per pass. A layer
+    writes only its own row, so a decoder layer must not run twice on one stack with different inputs in one graph
+    (activation checkpointing's recompute writes the same values again, which is fine). Compiled, the stack is a
+    tuple and the sum plain ops, which the compiler fuses and which keep each V_j once.
+    """
+    if torch.compiler.is_compiling():
+        earlier = () if earlier is None else tuple(earlier)
+        values = own
+        if mix:
+            values = own * weights[layer_idx]
+            for j, earlier_values in enumerate(earlier):
+                values = values + earlier_values * weights[j]
+        return values, (earlier + (own,) if append else earlier)
+    if torch.is_grad_enabled():
+        values, grown = _DenseValues.apply(own, earlier, weights, layer_idx, capacity, mix, append)
+    else:
+        values, grown = _dense_forward(own, earlier, weights, layer_idx, capacity, mix, append)
+    return values, (grown if append else earlier)
+
+
+# ---- DenseFormer ----------------------------------------------------------------------------------------------------
 
 
 class DepthWeightedAverage(ExactBuffers):

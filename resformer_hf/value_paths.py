@@ -23,10 +23,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from .configuration_resformer import CORRECT, FIXED, GATE, MIX, MIX_ALL, PLAIN, REUSE, ResFormerConfig
+from .depth_weighted_average import dense_values
 from .value_mixing import (
     ValueGate,
     corrected_output_projection,
-    dense_values,
     gated_values,
     is_plain_linear,
     plain_linear_weight,

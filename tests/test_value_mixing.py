@@ -14,10 +14,10 @@ from torch import nn
 from torch.autograd import gradcheck
 from torch.func import functional_call
 
+from resformer_hf.depth_weighted_average import dense_values
 from resformer_hf.value_mixing import (
     ValueGate,
     corrected_output_projection,
-    dense_values,
     gated_values,
     is_plain_linear,
     mix_values,
