@@ -116,9 +116,13 @@ def correctness_section(found) -> list[str]:
 def training_section(found) -> list[str]:
     setup = found.get(("training", "setup"), (None, {}))[1]
     lines = ["## Training step (134M parameters, context 2048, bf16 autocast, SDPA, fused AdamW)", "",
-             f"Batch {setup.get('batch')} × {setup.get('context')} tokens per step; medians of interleaved steps; "
-             "memory: parameters and optimiser state plus the step's peak. Goals: mixing variants ≤ 1.02 time and "
-             "≤ 1.005 memory, `dense` ≤ 1.05 / 1.03, SVFormer below 1 on both.", ""]
+             f"Batch {setup.get('batch')} × {setup.get('context')} tokens per step, no KV cache; step ms: medians of "
+             "interleaved steps; time / Llama: the geometric mean of each round's ratio to the Llama timed in that "
+             "round, with its 95% t-interval (`llama_control`, a second identical Llama, shows the noise; a ratio "
+             "without one is a run's from before, a ratio of medians over 8 rounds); memory: "
+             "parameters and optimiser state plus the step's peak. Goals (`benchmarks/gpu/training.py`): eager "
+             "mixing variants ≤ 1.02 time and ≤ 1.005 memory (gated, NeuTRENO 1.03; `dense` 1.05 / 1.03; DenseFormer "
+             "1.10), compiled ≤ 1.01 / 1.005 (`dense` 1.03), SVFormer below 1 on both.", ""]
     for mode in ("eager", "compiled"):
         rows = []
         for (part, name), (run, record) in found.items():
@@ -128,8 +132,10 @@ def training_section(found) -> list[str]:
             if record.get("skipped") or "time_ratio" not in record:
                 rows.append([variant, "–", "–", "–", "–", "–", run, record.get("skipped") or record.get("error", "")])
                 continue
+            interval = record.get("time_interval")
+            ratio = f"{record['time_ratio']:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
             rows.append([variant, f"{record['step_ms']:.1f}", f"{record['tokens_per_s'] / 1e3:.0f}k",
-                         f"{record['time_ratio']:.3f}", f"{record['memory_ratio']:.4f}",
+                         ratio, f"{record['memory_ratio']:.4f}",
                          f"{record['peak_bytes'] / 2**30:.2f}", run,
                          _mark(record.get("ok")) + (f" (first step {record['first_step_s']:.0f} s)"
                                                     if "first_step_s" in record else "")])
