@@ -142,7 +142,7 @@ class ValuePath:
 class FirstValues(ValuePath):
     """Layer 0 of a variant whose later layers mix in V_0: attends over its own values and hands them on.
 
-    With a gradient it hands on the [1, B, H_kv, T, D] stack holding V_0; without one, whatever its receivers mix
+    With a gradient it hands on V_0 itself ([B, H_kv, T, D]); without one, whatever its receivers mix
     with fastest: the [B·T, H_kv·D] matrix layer 0's GEMM wrote (λ as numbers, folded into each receiver's GEMM), or
     λ_first·V_0 per receiver (learnable λ as tensors; scaled when asked for beyond `BATCHED_SCALING_MAX_TOKENS`).
     """
