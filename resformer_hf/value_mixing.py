@@ -331,7 +331,7 @@ def _corrected(attn_output: torch.Tensor, first: torch.Tensor, own: torch.Tensor
 def corrected_output_projection(attn_output: torch.Tensor, first: torch.Tensor, own: torch.Tensor, o_proj: nn.Module,
                                 lam: float, groups: int) -> torch.Tensor:
     """NeuTRENO's `o_proj(A_n V_n + λ(V_0 − V_n))` from attention output [B, T, H_q, D], V_0, V_n [B, H_kv, T, D]."""
-    if is_plain_linear(o_proj) and not torch.compiler.is_compiling():
+    if is_plain_linear(o_proj):
         return _CorrectedOutputProjection.apply(attn_output, first, own, o_proj.weight, o_proj.bias, lam, groups)
     corrected = attn_output + neutreno_correction(first, own, lam, groups)
     return o_proj(corrected.reshape(*attn_output.shape[:2], -1).contiguous())
