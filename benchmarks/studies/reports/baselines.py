@@ -12,6 +12,7 @@ import torch
 from benchmarks.common import BASELINE, build_model, markdown_table, pyplot
 from benchmarks.studies.reports.seeds import fewer_tokens, save, summarize
 from benchmarks.studies.results import Results
+from benchmarks.studies.seed_statistics import paired_difference
 from benchmarks.studies.spec import Arm, Settings
 from benchmarks.studies.training import cache_bytes_per_token
 
@@ -49,6 +50,30 @@ def delta_cells(entry: dict) -> list[str]:
     return [d.describe(), f"{d.negative}/{d.n} seeds lower; {d.verdict()}"]
 
 
+def head_to_head(cell, arms: tuple[str, ...], seeds: list[int]) -> list[list[str]]:
+    """The comparison's first arm after Llama (the paper's proposal) against each later one, paired by the seeds both
+    finished: the paper's orderings, read beyond seed noise or not."""
+    reference, *others = [arm for arm in arms if arm != BASELINE]
+    rows = []
+    for arm in others:
+        both = [seed for seed in seeds if f"{arm}/seed{seed}" in cell and f"{reference}/seed{seed}" in cell]
+        if len(both) < 2:
+            continue
+        d = paired_difference([cell[f"{arm}/seed{seed}"]["final_val_loss"] for seed in both],
+                              [cell[f"{reference}/seed{seed}"]["final_val_loss"] for seed in both])
+        rows.append([f"`{arm}` − `{reference}`", len(both), d.describe(), f"{d.negative}/{d.n} seeds lower; "
+                     f"{d.verdict()}"])
+    return rows
+
+
+def head_to_head_lines(cell, arms: tuple[str, ...], seeds: list[int]) -> list[str]:
+    rows = head_to_head(cell, arms, seeds)
+    if not rows:
+        return []
+    return ["Head to head, paired by seed (a negative Δ: the later arm ends lower):", "",
+            markdown_table(["Δ final val loss", "seeds", "mean ± std [95% t-interval]", "seed noise check"], rows), ""]
+
+
 def render(results: Results) -> Path | None:
     summary, cell, study = summarize_arms(results), results.only, results.study
     if BASELINE not in summary:
@@ -80,12 +105,14 @@ def render(results: Results) -> Path | None:
                         "Δ vs Llama, paired (mean ± std [95% t-interval])", "seed noise check",
                         "fewer tokens to reach Llama's final loss"], quality),
         "",
+        *head_to_head_lines(cell, quality_arms, results.seeds),
         "## Loss vs KV-cache bytes: SVFormer vs GQA, CLA and SVFormer × CLA",
         "",
         markdown_table(["arm", "model", "KV cache bytes / token (fp32, measured)", "× Llama's", "seeds",
                         "final val loss (mean ± std)", "Δ vs Llama, paired (mean ± std [95% t-interval])",
                         "seed noise check"], kv),
         "",
+        *head_to_head_lines(cell, kv_arms, results.seeds),
         "Cache bytes are `cache_nbytes` of each arm's model after a forward pass (every storage counted once); at "
         f"L = {config['layers']} layers SVFormer holds (L + 1)/(2L), GQA and CLA2 1/2 and SVFormer × CLA2 "
         "(L/2 + 1)/(2L) of Llama's cache. Δ *exceeds seed noise* when its t-interval excludes 0.",
