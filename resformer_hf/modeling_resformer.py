@@ -97,7 +97,7 @@ class ResFormerAttention(LlamaAttention):
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states, residual_values, kept = self.value_path(self, hidden_states, residual_values, lambda_first,
+        value_states, residual_values, own_values = self.value_path(self, hidden_states, residual_values, lambda_first,
                                                               lambda_self, value_gradients)
 
         cos, sin = position_embeddings
@@ -105,11 +105,11 @@ class ResFormerAttention(LlamaAttention):
 
         # With cross-layer attention, the next layer attends over these K and V: in the paged cache the tokens' own,
         # which it updates the pages with as this layer does; elsewhere the cached ones this update returns.
-        handed_on = (key_states, value_states)
+        next_keys_values = (key_states, value_states)
         if cache is not None:
             key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
             if not is_paged_cache(cache):
-                handed_on = (key_states, value_states)
+                next_keys_values = (key_states, value_states)
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -126,9 +126,9 @@ class ResFormerAttention(LlamaAttention):
         )
         # Llama's reshape and o_proj; NeuTRENO adds its correction first. Attention returns [B, T, H_q, D] here,
         # [T, H_q·D] in vLLM.
-        attn_output = self.value_path.project_output(self, attn_output, input_shape, residual_values, kept,
+        attn_output = self.value_path.project_output(self, attn_output, input_shape, residual_values, own_values,
                                                      value_gradients)
-        return attn_output, attn_weights, residual_values, handed_on
+        return attn_output, attn_weights, residual_values, next_keys_values
 
 
 class ResFormerSharedKeysValuesAttention(ResFormerAttention):

@@ -130,7 +130,7 @@ class ValuePath:
     def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         return self.with_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
 
-    def project_output(self, attention: nn.Module, attn_output: torch.Tensor, input_shape, residual_values, kept,
+    def project_output(self, attention: nn.Module, attn_output: torch.Tensor, input_shape, residual_values, own_values,
                        gradients: bool) -> torch.Tensor:
         """o_proj of the attention output ([B, T, H_q, D]; vLLM's [T, H_q·D]), as Llama does."""
         return attention.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
@@ -162,7 +162,7 @@ class FirstValues(ValuePath):
         return own, (own * first).unbind(0), own
 
 
-class SharedFirstValues(FirstValues):
+class SVFormerFirstValues(FirstValues):
     """Layer 0 of SVFormer: hands on V_0 itself ([B, H_kv, T, D] without gradient), which later layers attend over."""
 
     def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
@@ -171,7 +171,7 @@ class SharedFirstValues(FirstValues):
         return own, own, raw
 
 
-class CorrectingFirstValues(FirstValues):
+class NeutrenoFirstValues(FirstValues):
     """Layer 0 of NeuTRENO: without gradient hands on λ·V_0 as [B, T, H_kv, D], the layout of the correction."""
 
     def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
@@ -216,10 +216,10 @@ class MixedValues(ValuePath):
         return flat.view(*shape[:-1], -1, self.head_dim).transpose(1, 2), residual_values, None
 
 
-class ReusedFirstValues(ValuePath):
+class SVFormerValues(ValuePath):
     """SVFormer's receiving layer: no v_proj; attends over layer 0's values V_0 themselves."""
 
-    first_values = SharedFirstValues
+    first_values = SVFormerFirstValues
 
     def attach(self, attention: nn.Module) -> None:
         attention.v_proj = None
@@ -231,7 +231,7 @@ class ReusedFirstValues(ValuePath):
         return residual_values, residual_values, None
 
 
-class CorrectedValues(ValuePath):
+class NeutrenoValues(ValuePath):
     """NeuTRENO's receiving layer: attends over V_n, then adds `λ(V_0 − V_n)` to the attention output before o_proj.
 
     With a gradient through a fused o_proj that recomputes the corrected input in backward instead of keeping it;
@@ -239,18 +239,19 @@ class CorrectedValues(ValuePath):
     head (the sum replaces Llama's reshape copy before o_proj).
     """
 
-    first_values = CorrectingFirstValues
+    first_values = NeutrenoFirstValues
 
     def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
         flat, raw = _flat_values(attention.v_proj, hidden_states, self.head_dim)
         return raw.transpose(1, 2), residual_values, raw
 
-    def project_output(self, attention, attn_output, input_shape, residual_values, kept, gradients) -> torch.Tensor:
+    def project_output(self, attention, attn_output, input_shape, residual_values, own_values,
+                       gradients) -> torch.Tensor:
         groups, lam = attention.num_key_value_groups, self.fixed[0]
         if gradients:
             return corrected_output_projection(attn_output.reshape(*input_shape, -1, self.head_dim), residual_values,
-                                               kept, attention.o_proj, lam, groups)
-        correction = torch.sub(residual_values, kept, alpha=lam)  # [B, T, H_kv, D], λ·V_0 from layer 0
+                                               own_values, attention.o_proj, lam, groups)
+        correction = torch.sub(residual_values, own_values, alpha=lam)  # [B, T, H_kv, D], λ·V_0 from layer 0
         if groups == 1 and attn_output.dim() == correction.dim():
             # The contiguous correction first: the sum is laid out like it, replacing Llama's reshape copy.
             return attention.o_proj(torch.add(correction, attn_output).reshape(*input_shape, -1))
@@ -360,8 +361,8 @@ VALUE_PATHS: dict[str, type[ValuePath]] = {
     PLAIN: ValuePath,
     MIX: MixedValues,
     MIX_ALL: DenseValues,
-    REUSE: ReusedFirstValues,
-    CORRECT: CorrectedValues,
+    REUSE: SVFormerValues,
+    CORRECT: NeutrenoValues,
     GATE: GatedValues,
 }
 

@@ -26,12 +26,12 @@ else:  # builds without torch.distributed have no sharded tensors
 
 class LayerMix(NamedTuple):
     """One layer's λ in a pass without gradient: Python numbers where they read for free (`readable_as_numbers`), else
-    tensors in the values' dtype. For a receiver with λ as tensors, `first` is every receiver's λ_first as a
-    [R, 1, 1, 1, 1] column (layer 0 scales V_0 for all of them at once) and `own` its own 0-dim λ_self; `dense` hands
-    its [R, L] weights to layer 0 instead."""
+    tensors. For a receiver with λ as tensors, `lambda_first` is every receiver's λ_first as a [R, 1, 1, 1, 1] column
+    (layer 0 scales V_0 for all of them at once) and `lambda_self` its own 0-dim λ_self; `dense` hands its [R, L]
+    weights to layer 0 instead."""
 
-    first: float | torch.Tensor
-    own: float | torch.Tensor
+    lambda_first: float | torch.Tensor
+    lambda_self: float | torch.Tensor
 
 
 def readable_as_numbers(module: nn.Module) -> bool:
@@ -194,7 +194,7 @@ class ValueResidual(ExactBuffers):
         pairs = iter(pairs)
         mixes = [LayerMix(*next(pairs)) if role != PLAIN else LayerMix(0.0, 1.0) for role in self.roles]
         if self.receivers and self.roles[self.receivers[0]] == CORRECT:  # NeuTRENO's layer 0 scales V_0 by λ once
-            mixes[0] = LayerMix(mixes[self.receivers[0]].first, 1.0)
+            mixes[0] = LayerMix(mixes[self.receivers[0]].lambda_first, 1.0)
         return tuple(mixes)
 
     @torch.no_grad()

@@ -273,7 +273,8 @@ def test_the_bf16_tolerance_catches_a_wrong_lambda_first(tmp_path, monkeypatch, 
     model.save_pretrained(tmp_path)
     loaded = ResFormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     monkeypatch.setattr(ValueResidual, "layer_mixes",
-                        lambda self: tuple(mix._replace(first=mix.first * 0.7) for mix in layer_mixes(self)))
+                        lambda self: tuple(mix._replace(lambda_first=mix.lambda_first * 0.7)
+                                           for mix in layer_mixes(self)))
     with torch.no_grad():
         wrong = (loaded(input_ids).logits.float() - expected).abs().max().item()
     assert wrong > 2 * BF16_LOGITS_ATOL, wrong
