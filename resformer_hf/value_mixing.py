@@ -128,14 +128,14 @@ class _ProjectAndMix(torch.autograd.Function):
             grad_bias = scaled.sum(0)
         if need_own_weight:
             product = grad.t().mm(hidden)  # dV'ᵀh: the weight gradient before its λ_self factor
-            grad_own_weight = torch.dot(product.view(-1), weight.view(-1))
+            grad_own_weight = torch.dot(product.view(-1), weight.reshape(-1))
             if bias is not None:
                 grad_own_weight = grad_own_weight + torch.dot(grad.sum(0), bias)
             grad_weight = product.mul_(own_weight) if need_weight else None
         elif need_weight:
             grad_weight = scaled.t().mm(hidden)
         if need_first_weight:
-            grad_first_weight = torch.dot(grad.view(-1), first.view(-1))
+            grad_first_weight = torch.dot(grad.reshape(-1), first.reshape(-1))  # views when contiguous
         if need_first:
             batch, heads, length, dim = ctx.first_shape
             grad_first = grad_first.view(batch, length, heads, dim).transpose(1, 2)
@@ -227,7 +227,7 @@ class _ProjectAndGate(torch.autograd.Function):
         hidden, weight, bias, first, gate_weight, sigmoid = ctx.saved_tensors
         need_hidden, need_weight, need_bias, need_first, need_gate_weight, need_gate_bias = ctx.needs_input_grad[:6]
         heads = sigmoid.shape[-1]
-        per_head = grad.view(grad.shape[0], heads, -1)
+        per_head = grad.reshape(grad.shape[0], heads, -1)
         gate = _shifted(sigmoid, ctx.shift).unsqueeze(-1)
         grad_own = torch.addcmul(per_head, per_head, gate, value=-1.0).view(grad.shape)  # (1 − g)·dV'
         grad_weight = grad_own.t().mm(hidden) if need_weight else None
