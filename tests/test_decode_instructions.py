@@ -34,9 +34,11 @@ CONTEXT = 64
 #: module's own dicts and learnable λ's per-layer mixes are reused while λ stay the same (2026-11-26: none 0.991,
 #: identity 1.001, learnable 1.003, learnable_plus 1.003, neutreno 1.008, dense 1.023, svformer 0.940; with the value
 #: paths of issue 43: identity 0.999, learnable 1.002, learnable_plus 1.002, neutreno 1.008, dense 1.021, svformer
-#: 0.936, gated 1.043 against its goal of 1.05). DenseFormer, a baseline, averages all earlier block outputs after
-#: every block: O(L) ops per block.
-MEASURED_ABOVE_GOAL = {"denseformer": 1.0422}
+#: 0.936, gated 1.043 against its goal of 1.05; 2026-11-27, with one λ table and one op per formula (issue 46):
+#: identity 1.003, learnable 1.004, learnable_plus 1.004, dense 1.014, neutreno 1.008, svformer 0.937, gated 1.046,
+#: denseformer 1.016, from 1.042). DenseFormer, a baseline, averages all earlier block outputs after every block: O(L)
+#: ops per block on the CPU, where the α are numbers.
+MEASURED_ABOVE_GOAL = {"denseformer": 1.0164}
 #: Room for what moves between runs and library builds: two runs of this gate moved every ratio by up to 0.004
 #: together (Llama's count, the denominator, moved), and loading the prepared models instead of building them in the
 #: counting process moved them by up to 0.003; an op per layer is ~0.016.
