@@ -5,9 +5,8 @@ tensors once, in one buffer that every layer's sum reads with one matrix-vector 
 After block i (1-based) the next block reads `Y_i = Σ_j α[i, j]·X_j` over the embeddings `X_0` and the block outputs
 `X_1 .. X_i` (with dilation k only `j ≡ i mod k`), instead of the plain residual stream `X_i`. The α are stored as
 offsets from the identity (α[i, i] = 1, the rest 0), like the λ of `value_residual.py`: a fresh or converted model is
-exactly Llama, weight decay pulls toward the plain residual stream, and a checkpoint without them loads as Llama. The
-outputs are kept once, in one buffer that every average reads with one matrix-vector product (`dense_values`, the op
-`dense` mixes values with). Imports only torch and its sibling files (copied for `trust_remote_code`).
+exactly Llama, weight decay pulls toward the plain residual stream, and a checkpoint without them loads as Llama.
+Imports only torch and its sibling files (copied for `trust_remote_code`).
 """
 
 from __future__ import annotations
@@ -106,8 +105,8 @@ class _DenseValues(torch.autograd.Function):
         mixed, grown = _dense_forward(own, stack, weights, layer_idx, capacity, mix, append)
         if not mix:
             ctx.save_for_backward(None, None, None)
-            return mixed, grown
-        ctx.save_for_backward(grown if append else stack, None if append else own, weights if mix else None)
+        else:
+            ctx.save_for_backward(grown if append else stack, None if append else own, weights)
         return mixed, grown
 
     @staticmethod
@@ -115,15 +114,11 @@ class _DenseValues(torch.autograd.Function):
         stack_or_grown, own, weights = ctx.saved_tensors
         rows = ctx.rows
         grad_own = grad_stack = grad_weights = None
-        if not ctx.mix:  # append only: V_n's gradient is its row's plus what attention sent to the row itself
+        if not ctx.mix or grad_mixed is None:  # V_n's gradient is its row's (plus, appended only, attention's own)
             if grad_grown is not None:
                 grad_own, grad_stack = grad_grown[rows], grad_grown[:rows] if rows else None
             if grad_mixed is not None:
                 grad_own = grad_mixed if grad_own is None else grad_own + grad_mixed
-            return grad_own, grad_stack, None, None, None, None, None
-        if grad_mixed is None:
-            if grad_grown is not None:
-                grad_own, grad_stack = grad_grown[rows], grad_grown[:rows] if rows else None
             return grad_own, grad_stack, None, None, None, None, None
         vector = weights[: rows + 1].to(grad_mixed.dtype)
         flat = token_major(grad_mixed).reshape(-1)
