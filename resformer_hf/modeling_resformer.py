@@ -259,9 +259,8 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
         if isinstance(module, (ValueResidual, DepthWeightedAverage)):  # buffers a meta-device build left empty
-            for buffer, fresh in zip((module.initial, module.mask), module.initial_buffers(module.initial.device)):
-                if buffer is not None:
-                    init.copy_(buffer, fresh)
+            for name, fresh in module.exact_buffers().items():
+                init.copy_(getattr(module, name), fresh)
 
     def value_residual_lambdas(self) -> torch.Tensor:
         """Effective (λ_first, λ_self) of every layer, float32 [num_hidden_layers, 2].

@@ -47,12 +47,15 @@ class ExactBuffers(nn.Module):
     after every `_apply` (`.to()`, `.bfloat16()`, DeepSpeed's casts), which would otherwise round them (bf16 holds 0.4
     as 0.4004)."""
 
+    def exact_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers made anew where they are, by name: float32, or float64 in a model cast to it."""
+        dtype = torch.promote_types(self.initial.dtype, torch.float32)
+        fresh = zip(("initial", "mask"), self.initial_buffers(self.initial.device, dtype))
+        return {name: buffer for name, buffer in fresh if buffer is not None}
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        dtype = torch.promote_types(self.initial.dtype, torch.float32)  # float32, or float64 after `.double()`
-        for name, fresh in zip(("initial", "mask"), self.initial_buffers(self.initial.device, dtype)):
-            if fresh is not None:
-                self._buffers[name] = fresh
+        self._buffers.update(self.exact_buffers())
         return self
 
 
@@ -123,9 +126,8 @@ class ValueResidual(ExactBuffers):
         """Zero every offset (λ back to the initial values in the config) and rebuild the buffers in place."""
         for parameter in self.parameters(recurse=False):
             parameter.zero_()
-        for buffer, fresh in zip((self.initial, self.mask), self.initial_buffers(self.initial.device)):
-            if buffer is not None:
-                buffer.copy_(fresh)
+        for name, fresh in self.exact_buffers().items():
+            self._buffers[name].copy_(fresh)
 
     def forward(self, inference: bool = False) -> torch.Tensor | tuple[LayerMix, ...]:
         """The λ table, float32: [2, R], the λ_first and the λ_self of the R receiving layers (contiguous rows, so each
