@@ -11,6 +11,8 @@ Imports only torch and its sibling files (copied for `trust_remote_code`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -70,6 +72,22 @@ def _rows(stack: torch.Tensor) -> torch.Tensor:
     return stack.transpose(2, 3).reshape(stack.shape[0], -1)
 
 
+def _in_their_dtype(function):
+    """Runs `function` with autocast off: the depth sums compute in their tensors' dtype, where CUDA's autocast would
+    run mv, addmv and addr in bf16 and round DenseFormer's float32 residual stream."""
+
+    @functools.wraps(function)
+    def wrapper(*args):
+        device = next(arg.device.type for arg in args if isinstance(arg, torch.Tensor))
+        if not torch.is_autocast_enabled(device):
+            return function(*args)
+        with torch.autocast(device, enabled=False):
+            return function(*args)
+
+    return wrapper
+
+
+@_in_their_dtype
 def _dense_forward(own, stack, weights, layer_idx, capacity, mix, append):
     """`_DenseValues`'s forward, which a pass without gradient calls directly."""
     rows = 0 if stack is None else stack.shape[0]
@@ -110,6 +128,7 @@ class _DenseValues(torch.autograd.Function):
         return mixed, grown
 
     @staticmethod
+    @_in_their_dtype
     def backward(ctx, grad_mixed, grad_grown):
         stack_or_grown, own, weights = ctx.saved_tensors
         rows = ctx.rows
@@ -184,7 +203,7 @@ class DepthWeightedAverage(ExactBuffers):
         super().__init__()
         self.dilation = dilation
         self.weight_offset = nn.Parameter(torch.zeros(num_layers, num_layers + 1, dtype=torch.float32))
-        initial, mask = self.initial_buffers(torch.device("cpu"))
+        initial, mask = self.initial_buffers(self.weight_offset.device)
         self.register_buffer("initial", initial, persistent=False)  # rebuilt by `_init_weights` after a meta build
         self.register_buffer("mask", mask, persistent=False)
 

@@ -159,6 +159,17 @@ def test_a_pass_without_gradient_follows_lambdas_changed_in_place(variant):
     assert (loaded - reference_logits(model.config, state, input_ids)).abs().max().item() <= 1e-5
 
 
+def test_a_model_built_under_a_device_context_holds_every_tensor_there(variant):
+    """`with torch.device("cuda"): ResFormerForCausalLM(config)` (how trainers build on the GPU) must put the λ tables'
+    buffers beside the parameters, as Llama's rotary buffer is: built on the CPU they broke every learnable variant's
+    first GPU step ("found at least two devices"). The meta device stands in for CUDA here."""
+    with torch.device("meta"):
+        model = ResFormerForCausalLM(tiny_config(variant))
+    elsewhere = {name: tensor.device for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+                 if tensor.device.type != "meta"}
+    assert not elsewhere
+
+
 def test_lambda_parameter_names_contain_value_residual_and_weights_keep_llama_names():
     model = ResFormerForCausalLM(tiny_config("learnable_plus"))
     llama_names = set(LlamaForCausalLM(LlamaConfig(**TINY)).state_dict())
@@ -496,3 +507,37 @@ def test_compiled_training_step_peaks_at_llamas_memory(variant):
     # layer, as compiled dense did before, kept 6 (O(L²))
     allowed = {"learnable_plus": 1, "dense": 3}.get(variant, 0) * values_bytes
     assert resformer - llama <= allowed + 1024, (resformer, llama)
+
+
+#: Ops CUDA's autocast runs in its lower precision and the CPU's does not (torch's autocast_mode.cpp lists).
+CUDA_ONLY_AUTOCAST_OPS = ("mv", "addmv", "addr")
+
+
+@pytest.mark.parametrize("variant", ["dense", "denseformer"])
+def test_depth_sums_keep_their_dtype_under_cuda_style_autocast(monkeypatch, variant):
+    """The depth sums (matrix-vector products over the buffer of earlier tensors) compute in their tensors' dtype
+    whatever autocast says: on a GPU, autocast ran DenseFormer's float32 sums in bf16 and its backward then failed
+    ("expected scalar type Float but found BFloat16"). Here mv, addmv and addr cast as CUDA's autocast would; the
+    gradients must equal those of the CPU's autocast, which leaves them alone."""
+    torch.manual_seed(0)
+    model = model_with_random_lambdas(tiny_config(variant))
+    input_ids = torch.randint(3, 128, (2, 9))
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    expected = gradients()
+    for name in CUDA_ONLY_AUTOCAST_OPS:
+        def cast(*args, _op=getattr(torch, name), **kwargs):
+            if torch.is_autocast_enabled("cpu"):
+                args = [a.bfloat16() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+            return _op(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, cast)
+    actual = gradients()
+    assert actual.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert torch.equal(actual[name], grad), name

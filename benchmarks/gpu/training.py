@@ -21,6 +21,7 @@ gives the kernel families that differ.
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import statistics
@@ -107,6 +108,7 @@ class Trainee:
         """Resident bytes plus the peak one step allocates beyond what was allocated before it."""
         if self.device.type != "cuda":
             return self.resident_bytes()
+        gc.collect()  # what a failed model's traceback still held would be freed inside the step and hide its peak
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
