@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,10 +63,20 @@ DEFAULT_PARTS = ["correctness", "training", "capacity", "decode"]
 SHARES = {"correctness": 0.22, "training": 0.40, "capacity": 0.12, "decode": 0.26, "pretrain": 1.0}
 
 
+def commit() -> str | None:
+    """The checkout's commit, with `+changes` where tracked files differ from it (None outside a git checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
 def environment(device: torch.device) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
     return dict(device=name, torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__,
-                resformer_hf=resformer_hf.__version__, python=platform.python_version(),
+                resformer_hf=resformer_hf.__version__, commit=commit(), python=platform.python_version(),
                 date=time.strftime("%Y-%m-%d"), cpus=os.cpu_count())
 
 

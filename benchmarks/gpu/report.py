@@ -53,6 +53,19 @@ def _model(name: str) -> str:
     return f"{variant} (run {run})" if run else variant
 
 
+#: What a run's own records cannot say: the code it measured where it recorded no commit, and readings known to be
+#: wrong, with why (raw records are never edited).
+RUN_NOTES = {
+    "run3.jsonl": "commit d32a9c9; learnable, learnable_plus, dense and DenseFormer failed their first step (λ "
+                  "buffers left on the CPU by a build under `with torch.device('cuda')`, fixed in 86664fa)",
+    "run4.jsonl": "commit d32a9c9, 40 s of the correctness part; DenseFormer's bf16 numerics met the autocast bug "
+                  "fixed in 86664fa",
+    "run5.jsonl": "commit d32a9c9 with 86664fa's buffer fix (not yet its autocast fix: DenseFormer failed again); "
+                  "eager learnable_plus's memory 0.90 is wrong: DenseFormer's failed step was freed inside its "
+                  "measured step (its compiled memory, 1.0000, and run 1's eager 1.0005 stand)",
+}
+
+
 def environment_lines(runs: list[list[dict]], paths: list[Path]) -> list[str]:
     lines = []
     for number, (records, path) in enumerate(zip(runs, paths), start=1):
@@ -64,7 +77,9 @@ def environment_lines(runs: list[list[dict]], paths: list[Path]) -> list[str]:
             f"- run {number} (`{path.name}`): {env.get('device')}, torch {env.get('torch')} (CUDA {env.get('cuda')}), "
             f"transformers {env.get('transformers')}, resformer-hf {env.get('resformer_hf')}, {env.get('date')}; "
             f"parts {parts}, variants {variants}; "
-            + (f"finished in {done['elapsed_s']:.0f} s" if done else "stopped before the end"))
+            + (f"finished in {done['elapsed_s']:.0f} s" if done else "stopped before the end")
+            + (f"; commit {env['commit']}" if env.get("commit") else "")
+            + (f"; {RUN_NOTES[path.name]}" if path.name in RUN_NOTES else ""))
     return lines
 
 
