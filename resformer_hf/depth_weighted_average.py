@@ -78,8 +78,8 @@ def _in_their_dtype(function):
 
     @functools.wraps(function)
     def wrapper(*args):
-        device = next(arg.device.type for arg in args if isinstance(arg, torch.Tensor))
-        if not torch.is_autocast_enabled(device):
+        device = next((arg.device.type for arg in args if isinstance(arg, torch.Tensor)), None)
+        if device is None or not torch.is_autocast_enabled(device):
             return function(*args)
         with torch.autocast(device, enabled=False):
             return function(*args)
