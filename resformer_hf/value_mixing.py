@@ -17,6 +17,8 @@ from torch.nn import functional as F
 from torch.nn.modules import module as _module_globals
 from transformers.models.llama.modeling_llama import repeat_kv
 
+from .mix_kernels import kernels_usable, mix_backward, mix_in_place
+
 #: A layer's (λ_first, λ_self): floats when fixed, else 0-dim views of the λ table in the values' dtype.
 Lambdas = tuple[float, float] | tuple[torch.Tensor, torch.Tensor]
 
@@ -105,7 +107,11 @@ class _ProjectAndMix(torch.autograd.Function):
             ctx.lambdas = (first_weight, own_weight)
             ctx.save_for_backward(hidden, weight, bias, first)
         else:
-            mixed = F.linear(hidden, weight, bias).mul_(own_weight).addcmul_(first, first_weight)
+            mixed = F.linear(hidden, weight, bias)
+            if kernels_usable(mixed, first, first_weight, own_weight):
+                mix_in_place(mixed, first, first_weight, own_weight)
+            else:
+                mixed.mul_(own_weight).addcmul_(first, first_weight)
             ctx.save_for_backward(hidden, weight, bias, first, first_weight, own_weight)
         return mixed
 
@@ -118,6 +124,9 @@ class _ProjectAndMix(torch.autograd.Function):
             first_weight, own_weight = ctx.lambdas
             scaled = grad if own_weight == 1.0 else grad * own_weight
             grad_first = scaled if first_weight == own_weight else grad if first_weight == 1.0 else grad * first_weight
+        elif kernels_usable(grad, first, *lambdas):  # both products and λ_first's dot in one pass
+            first_weight, own_weight = lambdas
+            grad_first, scaled, grad_first_weight = mix_backward(grad, first, first_weight, own_weight)
         else:
             first_weight, own_weight = lambdas
             both = grad * _column(first_weight, own_weight)  # λ_first·dV' and λ_self·dV' in one pass over dV'
@@ -134,7 +143,7 @@ class _ProjectAndMix(torch.autograd.Function):
             grad_weight = product.mul_(own_weight) if need_weight else None
         elif need_weight:
             grad_weight = scaled.t().mm(hidden)
-        if need_first_weight:
+        if need_first_weight and grad_first_weight is None:
             grad_first_weight = torch.dot(grad.reshape(-1), first.reshape(-1))  # views when contiguous
         if need_first:
             batch, heads, length, dim = ctx.first_shape

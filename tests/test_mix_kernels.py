@@ -1,0 +1,131 @@
+"""The Triton mix kernels (`resformer_hf/mix_kernels.py`) against float32 arithmetic and against the torch ops of
+`_ProjectAndMix` they replace on CUDA, run on the CPU by Triton's interpreter (`TRITON_INTERPRET=1`).
+
+Sizes are not multiples of the kernels' block, so a wrong mask or a block that is never written shows; λ are views of
+one table with a storage offset, as `ValueResidual.rows` hands them to each layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from resformer_hf import mix_kernels, value_mixing
+from resformer_hf.value_mixing import _ProjectAndMix
+
+pytest.importorskip("triton")
+
+#: One bf16 unit in the last place, relative: the GPU rounds to nearest (half of it), the interpreter truncates.
+ROUNDING = 2.0**-7
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The kernels made anew in Triton's interpreter (`conftest.py` sets it before triton is imported) and `usable`
+    true for contiguous CPU tensors."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET is not 1: these run the kernels on CPU tensors")
+    mix_kernels._kernels.cache_clear()
+    monkeypatch.setattr(value_mixing, "kernels_usable", lambda *tensors: all(t.is_contiguous() for t in tensors))
+    yield
+    mix_kernels._kernels.cache_clear()
+
+
+def lambda_pair(dtype=torch.bfloat16):
+    """λ_first, λ_self as 0-dim views of one [2, R] table, at a storage offset (receiver 2 of 3)."""
+    table = torch.tensor([[0.3, -0.7, 0.45], [1.2, 0.8, 0.55]]).to(dtype)
+    rows = table.reshape(-1).unbind()
+    return rows[2], rows[5]
+
+
+def values(*shape, seed=0, dtype=torch.bfloat16):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    return bool(((actual.float() - expected).abs() <= expected.abs() * ROUNDING + 1e-30).all())
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (37, 300)])
+def test_forward_mix_is_the_float32_mix_rounded_to_bf16(interpreted, shape):
+    own, first = values(*shape), values(*shape, seed=1)
+    lambda_first, lambda_self = lambda_pair()
+    expected = own.float() * lambda_self.float() + first.float() * lambda_first.float()
+    mixed = mix_kernels.mix_in_place(own.clone(), first, lambda_first, lambda_self)
+    assert within_one_rounding(mixed, expected)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (37, 300)])
+def test_backward_gives_both_scaled_gradients_and_lambda_firsts_dot(interpreted, shape):
+    grad, first = values(*shape), values(*shape, seed=1)
+    lambda_first, lambda_self = lambda_pair()
+    grad_first, grad_own, dot = mix_kernels.mix_backward(grad, first, lambda_first, lambda_self)
+    assert within_one_rounding(grad_first, grad.float() * lambda_first.float())
+    assert within_one_rounding(grad_own, grad.float() * lambda_self.float())
+    expected_dot = torch.dot(grad.double().reshape(-1), first.double().reshape(-1))
+    assert dot.dtype == lambda_first.dtype
+    assert abs(dot.double() - expected_dot) <= abs(expected_dot) * ROUNDING + 1e-3 * shape[0] * shape[1] ** 0.5
+
+
+def test_project_and_mix_through_the_kernels_matches_the_torch_ops(interpreted, monkeypatch):
+    """The whole fused op, forward and every gradient (h, W, V_0, both λ), in bf16 with the kernels and with the torch
+    ops, each against the torch ops in float64: the kernels' error at most the torch ops' (which round twice in the
+    forward), both at bf16's."""
+    inputs = dict(hidden=values(2 * 7, 24, seed=2, dtype=torch.float64), weight=values(16, 24, seed=3, dtype=torch.float64),
+                  first=values(2, 2, 7, 8, seed=4, dtype=torch.float64),  # [B, H_kv, T, D]
+                  table=torch.tensor([[0.3, -0.7], [1.2, 0.8]], dtype=torch.float64))
+    upstream = values(2 * 7, 16, seed=5, dtype=torch.float64)
+
+    def run(dtype):
+        leaves = {name: tensor.to(dtype).requires_grad_() for name, tensor in inputs.items()}
+        flat = leaves["table"].reshape(-1).unbind()
+        # V_0 as layer 0 hands it on: [B, H_kv, T, D], a view of token-major storage
+        first = leaves["first"].transpose(1, 2).reshape(14, 16).view(2, 7, 2, 8).transpose(1, 2)
+        mixed = _ProjectAndMix.apply(leaves["hidden"], leaves["weight"], None, first, flat[1], flat[3])
+        return (mixed, *torch.autograd.grad(mixed, tuple(leaves.values()), upstream.to(dtype)))
+
+    kernels = run(torch.bfloat16)
+    monkeypatch.setattr(value_mixing, "kernels_usable", lambda *tensors: False)
+    plain, reference = run(torch.bfloat16), run(torch.float64)
+    for name, with_kernels, with_ops, exact in zip(("mix", *inputs), kernels, plain, reference):
+        error = ((with_kernels.double() - exact).norm() / exact.norm()).item()
+        ops_error = ((with_ops.double() - exact).norm() / exact.norm()).item()
+        assert error <= max(ops_error, ROUNDING) * 1.5, (name, error, ops_error)
+
+
+def test_the_kernels_are_not_used_off_cuda_or_on_strided_tensors():
+    contiguous = torch.ones(4, 4)
+    assert not mix_kernels.kernels_usable(contiguous, contiguous)  # CPU tensors take the torch ops
+    if mix_kernels.triton is not None and torch.cuda.is_available():
+        cuda = contiguous.cuda()
+        assert mix_kernels.kernels_usable(cuda, cuda) and not mix_kernels.kernels_usable(cuda.t()[:, :2], cuda)
+
+
+@pytest.mark.parametrize("variant", ["learnable", "learnable_plus"])
+def test_a_training_step_through_the_kernels_gives_the_torch_ops_gradients(interpreted, monkeypatch, variant):
+    """A bf16-autocast training step of a whole model, λ as the views `ValueResidual.rows` hands each layer."""
+    from helpers import model_with_random_lambdas, tiny_config
+
+    model = model_with_random_lambdas(tiny_config(variant))
+    input_ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def gradients():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    calls = []
+    usable = value_mixing.kernels_usable
+    monkeypatch.setattr(value_mixing, "kernels_usable", lambda *tensors: calls.append(usable(*tensors)) or calls[-1])
+    with_kernels = gradients()
+    assert any(calls)  # forward and backward ran through the kernels
+    monkeypatch.setattr(value_mixing, "kernels_usable", lambda *tensors: False)
+    with_ops = gradients()
+    for name, grad in with_ops.items():
+        error = ((with_kernels[name] - grad).norm() / grad.norm()).item()
+        assert error <= 2e-2, (name, error)
+    lambda_names = [name for name in with_ops if "value_residual" in name]
+    assert lambda_names and all(with_kernels[name].abs().sum() > 0 for name in lambda_names)
