@@ -7,20 +7,24 @@ numbers would wait for the GPU every step). On an H200 that loop was 1.35 of the
 in place on v_proj's output (one pass, where `mul_` + `addcmul_` made two), the backward's two scaled gradients and
 λ_first's dot in one pass over dV' and V_0 (where a broadcast multiply and a dot made two).
 
-Used for contiguous CUDA tensors only (`kernels_usable`); `value_mixing._ProjectAndMix`'s torch ops are the reference and
-every other device's path, and `tests/test_mix_kernels.py` holds these to them on the CPU under Triton's interpreter
-(`TRITON_INTERPRET=1`). Triton is optional (CUDA builds of torch bring it): without it the torch ops run.
+Used for contiguous CUDA tensors only (`kernels_usable`), once checked on the device; `value_mixing._ProjectAndMix`'s
+torch ops are the reference and every other device's path, and `tests/test_mix_kernels.py` holds these to them on the
+CPU under Triton's interpreter (`TRITON_INTERPRET=1`). Triton is optional (CUDA builds of torch bring it): without it
+the torch ops run.
 """
 
 import functools
 
 import torch
+from transformers.utils import logging
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch path runs
     triton = None
+
+logger = logging.get_logger(__name__)
 
 #: Elements per program: 8 KiB of bf16 per operand, 16-byte loads across 4 warps.
 BLOCK = 4096
@@ -58,9 +62,33 @@ def _kernels():
 
 
 def kernels_usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels apply: Triton installed, and every tensor a contiguous CUDA tensor of one dtype."""
+    """Whether the kernels apply: Triton installed, every tensor a contiguous CUDA tensor of one dtype, and the
+    kernels checked on that device (`_working`)."""
     return (triton is not None and all(t.is_cuda and t.is_contiguous() for t in tensors)
-            and len({t.dtype for t in tensors}) == 1)
+            and len({t.dtype for t in tensors}) == 1 and _working(tensors[0].device, tensors[0].dtype))
+
+
+@functools.cache
+def _working(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels build and agree with float32 arithmetic on `device`, checked once on first use: a Triton
+    that cannot build them (or builds them wrong) costs a warning and the torch ops' speed, never a training run."""
+    generator = torch.Generator(device).manual_seed(0)
+    own, first = (torch.randn(3, BLOCK + 5, generator=generator, device=device).to(dtype) for _ in range(2))
+    lambdas = torch.stack((torch.full((), 0.3), torch.full((), 0.8))).to(device, dtype)
+    expected = own.float() * lambdas[1].float() + first.float() * lambdas[0].float()
+    try:
+        mixed = mix_in_place(own.clone(), first, lambdas[0], lambdas[1])
+        grad_first, grad_own, dot = mix_backward(own, first, lambdas[0], lambdas[1])
+    except Exception as error:  # noqa: BLE001 - any failure to build or launch means: use the torch ops
+        logger.warning(f"The Triton mix kernels do not run on {device} ({error!r}); the value mix uses torch ops.")
+        return False
+    close = functools.partial(torch.allclose, rtol=2.0**-7, atol=1e-6)
+    working = (close(mixed.float(), expected) and close(grad_first.float(), own.float() * lambdas[0].float())
+               and close(grad_own.float(), own.float() * lambdas[1].float())
+               and close(dot.float(), (own.float() * first.float()).sum(), rtol=1e-2, atol=1e-2))
+    if not working:
+        logger.warning(f"The Triton mix kernels disagree with torch on {device}; the value mix uses torch ops.")
+    return working
 
 
 def mix_in_place(own: torch.Tensor, first: torch.Tensor, lambda_first: torch.Tensor, lambda_self: torch.Tensor

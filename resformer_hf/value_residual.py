@@ -93,8 +93,9 @@ class ValueResidual(ExactBuffers):
             # Row r: offsets of receiver r's weights on the raw values V_0 .. V_{L-1}; columns after it unused.
             self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers, dtype=torch.float32))
         initial, mask = self.initial_buffers(torch.get_default_device())
-        # Non-persistent, like Llama's rotary `inv_freq`: made where the parameters are (`with torch.device("cuda"):`
-        # builds both there), they follow `.to()` and device maps, and `_init_weights` rebuilds them after a meta build.
+        # Non-persistent, like Llama's rotary `inv_freq`: made where the parameters are (`with torch.device("cuda")`
+        # builds both there), they follow `.to()` and device maps, and `_init_weights` rebuilds them after a meta
+        # build.
         self.register_buffer("initial", initial, persistent=False)
         self.register_buffer("mask", mask, persistent=False)
         #: (the λ offsets read as numbers, the mixes built from them), reused while the offsets read the same

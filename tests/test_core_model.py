@@ -530,13 +530,16 @@ def test_depth_sums_keep_their_dtype_under_cuda_style_autocast(monkeypatch, vari
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     expected = gradients()
-    for name in CUDA_ONLY_AUTOCAST_OPS:
-        def cast(*args, _op=getattr(torch, name), **kwargs):
+    def casting(op):
+        def cast(*args, **kwargs):
             if torch.is_autocast_enabled("cpu"):
                 args = [a.bfloat16() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
-            return _op(*args, **kwargs)
+            return op(*args, **kwargs)
 
-        monkeypatch.setattr(torch, name, cast)
+        return cast
+
+    for name in CUDA_ONLY_AUTOCAST_OPS:
+        monkeypatch.setattr(torch, name, casting(getattr(torch, name)))
     actual = gradients()
     assert actual.keys() == expected.keys()
     for name, grad in expected.items():

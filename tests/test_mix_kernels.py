@@ -73,8 +73,9 @@ def test_project_and_mix_through_the_kernels_matches_the_torch_ops(interpreted, 
     """The whole fused op, forward and every gradient (h, W, V_0, both λ), in bf16 with the kernels and with the torch
     ops, each against the torch ops in float64: the kernels' error at most the torch ops' (which round twice in the
     forward), both at bf16's."""
-    inputs = dict(hidden=values(2 * 7, 24, seed=2, dtype=torch.float64), weight=values(16, 24, seed=3, dtype=torch.float64),
-                  first=values(2, 2, 7, 8, seed=4, dtype=torch.float64),  # [B, H_kv, T, D]
+    f64 = dict(dtype=torch.float64)
+    inputs = dict(hidden=values(2 * 7, 24, seed=2, **f64), weight=values(16, 24, seed=3, **f64),
+                  first=values(2, 2, 7, 8, seed=4, **f64),  # [B, H_kv, T, D]
                   table=torch.tensor([[0.3, -0.7], [1.2, 0.8]], dtype=torch.float64))
     upstream = values(2 * 7, 16, seed=5, dtype=torch.float64)
 
@@ -129,3 +130,18 @@ def test_a_training_step_through_the_kernels_gives_the_torch_ops_gradients(inter
         assert error <= 2e-2, (name, error)
     lambda_names = [name for name in with_ops if "value_residual" in name]
     assert lambda_names and all(with_kernels[name].abs().sum() > 0 for name in lambda_names)
+
+
+def test_kernels_that_disagree_with_torch_on_a_device_are_not_used(interpreted, monkeypatch):
+    """The first use on a device checks the kernels against float32 arithmetic: a Triton that builds them wrong (or not
+    at all) leaves the torch ops in place, with a warning, instead of training on wrong values."""
+    mix_kernels._working.cache_clear()
+    assert mix_kernels._working(torch.device("cpu"), torch.bfloat16)
+    mix_kernels._working.cache_clear()
+    real = mix_kernels.mix_in_place  # built wrong: λ_first and λ_self swapped
+    monkeypatch.setattr(mix_kernels, "mix_in_place", lambda own, first, lf, ls: real(own, first, ls, lf))
+    assert not mix_kernels._working(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(mix_kernels, "mix_backward", lambda *args: 1 / 0)
+    mix_kernels._working.cache_clear()
+    assert not mix_kernels._working(torch.device("cpu"), torch.bfloat16)
+    mix_kernels._working.cache_clear()
