@@ -18,6 +18,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
+from .configuration_resformer import key_value_sources_of
+
 
 class _ReadsProducerValues:
     """Mixin for a cache layer that stores keys only and reads its values from a producer layer.
@@ -299,10 +301,11 @@ def share_cross_layer_keys_values(cache: Cache, source_layers: list[int]) -> Cac
 def share_cache_storage(cache: Cache, config: Any) -> Cache:
     """Store in `cache` only what a model with `config` needs: V_0 once (SVFormer), K and V once per layer group
     (cross-layer attention), or both; returns `cache`."""
-    if getattr(config, "layers_without_value_projection", None):
+    sources = key_value_sources_of(config)
+    if any(source.values != source.keys for source in sources):  # SVFormer: layer 0's values, its own keys
         share_first_layer_values(cache)
-    if getattr(config, "layers_reading_shared_keys_values", None):
-        share_cross_layer_keys_values(cache, config.key_value_source_layers)
+    if any(source.keys != layer for layer, source in enumerate(sources)):
+        share_cross_layer_keys_values(cache, [source.keys for source in sources])
     return cache
 
 

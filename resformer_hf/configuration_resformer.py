@@ -20,6 +20,7 @@ from ._compat import OLDEST_SUPPORTED  # noqa: F401  (first: refuses an unsuppor
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
@@ -409,6 +410,15 @@ class ResFormerConfig(LlamaConfig):
         return [layer for layer, source in enumerate(self.key_value_source_layers) if source != layer]
 
     @property
+    def key_value_sources(self) -> list[KeyValueSource]:
+        """For each layer, the layers whose cached keys and values it attends over: itself for both, unless
+        cross-layer attention gives it its group's first layer's, or SVFormer layer 0's values. Every cache stores
+        by this alone (`key_value_sources_of`): the dynamic and static caches, the paged cache, vLLM's."""
+        reads_first = set(self.layers_without_value_projection)
+        return [KeyValueSource(keys=source, values=0 if layer in reads_first else source)
+                for layer, source in enumerate(self.key_value_source_layers)]
+
+    @property
     def denseformer_dilation_resolved(self) -> int:
         return self.denseformer_dilation or 1
 
@@ -434,8 +444,28 @@ class ResFormerConfig(LlamaConfig):
         return float(configured) if configured is not None else float(self.num_hidden_layers)
 
 
+class KeyValueSource(NamedTuple):
+    """The layers whose cached keys and values one layer attends over."""
+
+    keys: int
+    values: int
+
+
+def key_value_sources_of(config: Any) -> list[KeyValueSource]:
+    """`config.key_value_sources` for any config a cache meets: a ResFormer's; one loaded with remote code written
+    before the property existed (it has the two lists the property is made of); any other model's (every layer its
+    own)."""
+    if hasattr(config, "key_value_sources"):
+        return config.key_value_sources
+    if hasattr(config, "key_value_source_layers") and hasattr(config, "layers_without_value_projection"):
+        return ResFormerConfig.key_value_sources.fget(config)
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    return [KeyValueSource(layer, layer) for layer in range(layers)]
+
+
 __all__ = [
     "DEFAULT_CONVERSION_VARIANT",
+    "KeyValueSource",
     "DEFAULT_VARIANT",
     "VALUE_RESIDUAL_VARIANTS",
     "VARIANTS",

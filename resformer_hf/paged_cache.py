@@ -31,11 +31,13 @@ import torch
 from transformers.generation.continuous_batching import cache as paged_cache
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
+from .configuration_resformer import key_value_sources_of
+
 
 def consumer_producers(config: Any, layer_indices: list[int]) -> dict[int, int]:
     """With cross-layer attention, each consumer among `layer_indices` and the producer (the first layer of its group)
     whose pages it reads and writes; none unless every consumer's producer is among them. The rest store their own."""
-    sources = getattr(config, "key_value_source_layers", None)
+    sources = [source.keys for source in key_value_sources_of(config)]
     if not sources or any(sources[layer] not in layer_indices for layer in layer_indices):
         return {}
     return {layer: sources[layer] for layer in layer_indices if sources[layer] != layer}
@@ -43,8 +45,9 @@ def consumer_producers(config: Any, layer_indices: list[int]) -> dict[int, int]:
 
 def reads_first_layer_values(config: Any, layer_indices: list[int]) -> bool:
     """Whether every layer of `layer_indices` but layer 0 (which must be among them) attends over layer 0's values."""
-    without = set(getattr(config, "layers_without_value_projection", None) or ())
-    return bool(without) and 0 in layer_indices and set(layer_indices) - {0} <= without
+    sources = key_value_sources_of(config)
+    others = set(layer_indices) - {0}
+    return bool(others) and 0 in layer_indices and all(sources[layer].values == 0 for layer in others)
 
 
 class StoredKeysValuesAllocator(FullAttentionCacheAllocator):

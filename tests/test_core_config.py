@@ -108,3 +108,27 @@ def test_assignments_after_construction_are_checked():
     config.value_residual_layers = [3]
     with pytest.raises(ValueError, match=r"value_residual_layers has \[3\]"):
         resformer_hf.ResFormerModel(config)
+
+
+@pytest.mark.parametrize("variant, group, expected", [
+    ("learnable_plus", None, [(0, 0), (1, 1), (2, 2), (3, 3)]),
+    ("svformer", None, [(0, 0), (1, 0), (2, 0), (3, 0)]),
+    ("none", 2, [(0, 0), (0, 0), (2, 2), (2, 2)]),
+    ("svformer", 2, [(0, 0), (0, 0), (2, 0), (2, 0)]),
+])
+def test_key_value_sources_say_which_layers_cached_keys_and_values_each_layer_reads(variant, group, expected):
+    """The one fact every cache stores by, for any config: a ResFormer's, one from older remote code (which has only
+    the two lists it is made of), and a Llama's (every layer its own)."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from resformer_hf.configuration_resformer import key_value_sources_of
+
+    config = tiny_config(variant, num_hidden_layers=4, cross_layer_attention=group)
+    assert [tuple(source) for source in config.key_value_sources] == expected
+    older = SimpleNamespace(key_value_source_layers=config.key_value_source_layers,
+                            layers_without_value_projection=config.layers_without_value_projection)
+    assert [tuple(source) for source in key_value_sources_of(older)] == expected
+    llama = LlamaConfig(num_hidden_layers=4)
+    assert [tuple(source) for source in key_value_sources_of(llama)] == [(layer, layer) for layer in range(4)]

@@ -22,7 +22,7 @@ from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.platforms import current_platform
 
-from ..configuration_resformer import REUSE
+from ..configuration_resformer import key_value_sources_of
 
 logger = init_logger(__name__)
 
@@ -34,8 +34,8 @@ VALUE_STORE_NAME = "model.value_store.{index}.attn"
 def stores_values_once(config, cache_dtype: str) -> bool:
     """Whether this config is an SVFormer (every layer n >= 1 attends over layer 0's values) whose values vLLM can
     store once here: on vLLM's CPU backend, with an unquantized cache (a quantized one scales V per layer)."""
-    roles = getattr(config, "value_residual_layer_roles", None)  # remote-code configs have it too
-    if not roles or roles[0] == REUSE or any(role != REUSE for role in roles[1:]):
+    sources = key_value_sources_of(config)
+    if len(sources) < 2 or any(source.values != 0 for source in sources[1:]):
         return False
     if not current_platform.is_cpu() or cache_dtype != "auto":
         logger.warning_once(
@@ -73,7 +73,7 @@ class ResFormerForCausalLM(TransformersForCausalLM):
         return sharing_keys_values(attention_class, self._kv_sharing_targets)
 
     def _create_attention_instances(self, prefix: str = "") -> None:
-        sources = getattr(self.text_config, "key_value_source_layers", None) or []
+        sources = [source.keys for source in key_value_sources_of(self.text_config)]
         names = {layer: maybe_prefix(prefix, f"{attention_prefix}.{VLLM_ATTN_ATTR}")
                  for layer, (attention_prefix, _) in self.attention_fusers.items()}
         self._kv_sharing_targets = {names[layer]: names[source] for layer, source in enumerate(sources)
