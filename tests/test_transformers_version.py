@@ -101,7 +101,8 @@ def test_release_table_lists_every_minor_release_of_the_tested_range():
 
 def test_the_torch_floor_is_the_torch_ci_tests_at_both_ends():
     """setup.cfg's `torch>=X.Y`, the README's requirement and the oldest virtualenv of "Run the tests" (which .ci/run
-    runs) name the same torch; the newest one is tested there too (issue 27: 2.6 was admitted, never tested)."""
+    runs) name the same torch; the newest one is tested there too, and the README's range names both (issue 27: 2.6
+    was admitted, never tested; issue 49: the newest moved to 2.15.0)."""
     setup = configparser.ConfigParser()
     setup.read(REPO / "setup.cfg")
     (floor,) = [req.removeprefix("torch>=") for req in setup["options"]["install_requires"].split()
@@ -109,8 +110,10 @@ def test_the_torch_floor_is_the_torch_ci_tests_at_both_ends():
     readme = " ".join((REPO / "README.md").read_text().split())
     assert f"torch ≥ {floor} (CI runs the core tests on {floor}.0 with transformers {OLDEST_RELEASE}" in readme
     assert f'.venv/oldest/bin/pip install "torch=={floor}.0" "transformers=={OLDEST_RELEASE}"' in readme
-    assert '.venv/newest/bin/pip install "torch==2.14.1"' in readme
-    assert f"torch {floor} to 2.14 are tested" in readme
+    newest = "2.15.0"
+    assert f'.venv/newest/bin/pip install "torch=={newest}"' in readme
+    assert f"and on {newest} with {_compat.NEWEST_TESTED}." in readme  # the newest transformers, which pip picks
+    assert f"torch {floor} to {newest.rpartition('.')[0]} are tested" in readme
 
 @pytest.mark.slow
 def test_remote_code_under_transformers_4_57_fails_with_one_line(tmp_path):
