@@ -227,10 +227,10 @@ class DepthWeightedAverage(ExactBuffers):
         """α [L, L + 1] in float32 (offsets upcast by type promotion, as for the λ), masked to each row's sources."""
         return (self.weight_offset + self.initial) * self.mask
 
-    def begin(self, embeddings: torch.Tensor, inference: bool = False) -> DepthStream | NumericDepthStream:
+    def begin(self, embeddings: torch.Tensor, gradients: bool = True) -> DepthStream | NumericDepthStream:
         """The stream of one forward pass, starting at the embeddings `X_0`; without gradient on the CPU, with α read
         as numbers (`readable_as_numbers`)."""
-        if inference and readable_as_numbers(self):
+        if not gradients and readable_as_numbers(self):
             with torch.no_grad():
                 return NumericDepthStream(self().tolist(), embeddings)
         return DepthStream(self().to(embeddings.dtype), embeddings)

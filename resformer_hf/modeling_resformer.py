@@ -349,11 +349,11 @@ class ResFormerModel(ResFormerPreTrainedModel):
         if value_gradients:  # one λ table for every layer, cast once to the values' dtype
             lambdas = self.value_residual.rows(self.value_residual(), compute_dtype(inputs_embeds))
         else:
-            lambdas = self.value_residual(inference=True)
+            lambdas = self.value_residual(gradients=False)
         residual_values = shared_keys = shared_values = None
         stream = None
         if self.depth_weighted_average is not None:  # DenseFormer: block 1 reads X_0 from the stream's buffer
-            stream = self.depth_weighted_average.begin(hidden_states, inference=not value_gradients)
+            stream = self.depth_weighted_average.begin(hidden_states, gradients=value_gradients)
             inputs_embeds = hidden_states = stream.first  # the buffer's row: the embeddings are kept once
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:

@@ -7,7 +7,7 @@ hands on to later layers, and (NeuTRENO) what it adds to the attention output, i
 
 - with a gradient, through the fused functions of `value_mixing.py`, which keep training memory at Llama's;
 - without one (decoding, evaluation, serving), on v_proj's output, with the per-layer `LayerMix` of
-  `ValueResidual(inference=True)`: λ as Python numbers where they read for free (the mix then folds into v_proj's
+  `ValueResidual(gradients=False)`: λ as Python numbers where they read for free (the mix then folds into v_proj's
   GEMM), else as tensors.
 
 A variant is one path class here plus its `VARIANTS` entry. Imports only torch, transformers and sibling files

@@ -130,15 +130,15 @@ class ValueResidual(ExactBuffers):
         for name, fresh in self.exact_buffers().items():
             self._buffers[name].copy_(fresh)
 
-    def forward(self, inference: bool = False) -> torch.Tensor | tuple[LayerMix, ...]:
+    def forward(self, gradients: bool = True) -> torch.Tensor | tuple[LayerMix, ...]:
         """The λ table, float32: [2, R], the λ_first and the λ_self of the R receiving layers (contiguous rows, so each
         offset's gradient is a plain slice); `dense` [R, L], each receiver's weights on V_0 .. V_{L-1}. With
-        `inference=True` (no gradient wanted), one `LayerMix` per layer instead.
+        `gradients=False` (a pass nothing will differentiate), one `LayerMix` per layer instead.
 
         Offsets are upcast before the initial values are added (type promotion with the float32 buffers): engines
         that hand the module bfloat16 copies of its parameters (DeepSpeed bf16) round only the small offsets.
         """
-        if inference:
+        if not gradients:
             return self.layer_mixes()
         if self.parameterisation == PAIR:
             return torch.stack((self.lambda_first_offset, self.lambda_self_offset)) + self.initial

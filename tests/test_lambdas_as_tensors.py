@@ -69,7 +69,7 @@ def test_the_context_manager_keeps_every_learnable_weight_a_tensor(variant):
     model = case_model(variant)
     for forced in (False, True):
         with lambdas_as_tensors() if forced else contextlib.nullcontext():
-            first = model.model.value_residual(inference=True)[0].lambda_first
+            first = model.model.value_residual(gradients=False)[0].lambda_first
         spec = VARIANTS[variant]
         assert isinstance(first, torch.Tensor) == (spec.learnable and (forced or spec.lambdas == DENSE)), first
 
