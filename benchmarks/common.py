@@ -1,5 +1,6 @@
 """Helpers shared by every benchmark and study: the device flags, same-size Llama / ResFormer models, tables, plots,
-and the documentation blocks a benchmark rewrites (timing lives in `cost/timing.py`).
+and the documentation blocks a benchmark rewrites (timing lives in `cost/timing.py`; a timed run's JSON-lines records,
+environment and deadline in `records.py`).
 
 Benchmarks are scripts, not tests: they write markdown tables and PNGs under `benchmarks/results/` and always compare
 each variant with HF `LlamaForCausalLM` of the same size measured in the same run, because absolute numbers on a

@@ -156,7 +156,7 @@ def test_capacity_benchmark_smoke(tmp_path):
     """The decode-heavy capacity benchmark's GPU command rehearsed at toy size on the CPU (`--smoke`): every request
     of every measured run is answered to its length; one budget holds more SVFormer sequences (4 layers: 2L/(L+1) =
     1.6x, in whole sequences 3 for 2 and 6 for 4) and the engine keeps more of them running; the report renders."""
-    from benchmarks.gpu.record import read_records
+    from benchmarks.records import read_records
     from benchmarks.serving import bench_capacity
 
     bench_capacity.main(["--smoke", "--out", str(tmp_path)])

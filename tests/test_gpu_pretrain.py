@@ -16,8 +16,8 @@ import pytest
 
 from benchmarks.gpu import pretrain, pretrain_data
 from benchmarks.gpu.pretrain_report import collect, store_runs
-from benchmarks.gpu.record import read_records
 from benchmarks.gpu.report import write_report
+from benchmarks.records import read_records
 from benchmarks.studies.store import RunStore
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,10 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from benchmarks.common import RESULTS_DIR, add_device_args, environment_line, markdown_table, pyplot, setup_device
+from benchmarks.records import child_result
 
 RSS_GOAL = 1.5
 THROUGHPUT_GOAL = 0.5
@@ -138,12 +137,8 @@ def timed_buffered_copy(src: Path, dst: Path, chunk: int = 64 * 2**20) -> float:
 
 
 def timed_conversion(src: Path, dst: Path) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-c", _CHILD, str(src), str(dst)], capture_output=True, text=True,
-                            env=env, check=False)
-    if result.returncode != 0:
-        raise SystemExit(f"conversion failed:\n{result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return child_result(["-c", _CHILD, str(src), str(dst)], "conversion failed", HF_HUB_OFFLINE="1",
+                        TRANSFORMERS_OFFLINE="1")
 
 
 def measure(work: Path, size: dict, shard_mb: int, repeats: int, seed: int) -> dict:

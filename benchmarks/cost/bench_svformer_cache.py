@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +46,7 @@ from benchmarks.common import (
 )
 from benchmarks.cost.live_bytes import PeakLiveTensorBytes
 from benchmarks.cost.timing import interleaved_medians
+from benchmarks.records import child_result
 
 MODELS = [BASELINE, "learnable_plus", "svformer"]
 CACHES = ("dynamic", "static")
@@ -136,13 +135,8 @@ def decode_speeds(job: dict, repeats: int, kind: str) -> dict[str, float]:
 
 
 def run_in_fresh_process(job: dict) -> dict:
-    root = str(Path(__file__).resolve().parents[2])  # the repository: `benchmarks` importable in the child
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-m", "benchmarks.cost.bench_svformer_cache", "--worker",
-                             json.dumps(job)], capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise SystemExit(f"measurement {job['model']} @ {job['context']} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return child_result(["-m", "benchmarks.cost.bench_svformer_cache", "--worker", json.dumps(job)],
+                        f"measurement {job['model']} @ {job['context']} failed")
 
 
 # ---- the benchmark --------------------------------------------------------------------------------------------------

@@ -39,20 +39,14 @@ pretrain` rehearses it on the CPU in about half a minute (tests/test_gpu_pretrai
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
-
-import resformer_hf
 
 from . import correctness, decode, pretrain, training
-from .record import Plan, Recorder, Schedule
+from benchmarks.records import open_run
 
 #: The parts in the order they run: SVFormer's capacity before the decode speeds, whose compiling can take any time;
 #: `pretrain` runs only when asked for (`--parts pretrain`).
@@ -63,32 +57,21 @@ DEFAULT_PARTS = ["correctness", "training", "capacity", "decode"]
 SHARES = {"correctness": 0.22, "training": 0.40, "capacity": 0.12, "decode": 0.26, "pretrain": 1.0}
 
 
-def commit() -> str | None:
-    """The checkout's commit, with `+changes` where tracked files differ from it (None outside a git checkout)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], capture_output=True).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+changes" if dirty else "")
+@dataclass(frozen=True)
+class Plan:
+    """What a part runs on and which models it covers: `smoke` runs toy sizes on the CPU with a few models, and
+    `variants` (a rerun that fills in what an earlier run skipped) narrows every part to them and the Llama control."""
 
+    device: torch.device
+    smoke: bool = False
+    variants: tuple[str, ...] = ()
+    pretrain: object = None  #: the `pretrain` part's options (`pretrain.Options`; None: its defaults)
 
-def environment(device: torch.device) -> dict:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
-    return dict(device=name, torch=torch.__version__, cuda=torch.version.cuda, transformers=transformers.__version__,
-                resformer_hf=resformer_hf.__version__, commit=commit(), python=platform.python_version(),
-                date=time.strftime("%Y-%m-%d"), cpus=os.cpu_count())
-
-
-def open_run(path: Path, smoke: bool, **fields) -> tuple[torch.device, Recorder]:
-    """The device a run measures on (the CPU for `smoke`, else a CUDA GPU, or exit saying so) and its recorder, whose
-    first line is the environment and `fields`."""
-    device = torch.device("cpu" if smoke else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU: this run needs one (use --smoke to rehearse it on the CPU)")
-    recorder = Recorder(path, time.monotonic())
-    recorder.write("run", "environment", ok=None, smoke=smoke, **fields, **environment(device))
-    return device, recorder
+    def pick(self, priority: list[str], smoke_subset: list[str]) -> list[str]:
+        """`priority` in order, narrowed to the smoke subset or to `variants` (the first entry, the control, stays)."""
+        if self.variants:
+            return [priority[0], *[name for name in priority[1:] if name in self.variants]]
+        return [name for name in priority if name in smoke_subset] if self.smoke else list(priority)
 
 
 def allow_recompiles() -> None:
@@ -131,19 +114,19 @@ def main(argv=None) -> None:
             print(f"stored {path}")
         return
     command = " ".join(["python -m benchmarks.gpu", *(sys.argv[1:] if argv is None else argv)])
-    device, recorder = open_run(args.out / "gpu.jsonl", args.smoke, parts=args.parts, variants=args.variants,
-                                seconds=args.seconds, command=command)
+    device, recorder, schedule = open_run(args.out / "gpu.jsonl", args.smoke, args.seconds,
+                                          {part: SHARES[part] for part in args.parts}, parts=args.parts,
+                                          variants=args.variants, command=command)
     allow_recompiles()
     options = pretrain.Options(tuple(args.arms), args.tokens, args.work, args.pause_after)
     plan = Plan(device, args.smoke, tuple(args.variants), options)
-    schedule = Schedule(args.seconds, {part: SHARES[part] for part in args.parts})
     for part in args.parts:
         schedule.begin(part)
         with recorder.guarded(part, "part"):
             PARTS[part](recorder, schedule, plan)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    recorder.write("run", "done", ok=None, elapsed_s=round(schedule.elapsed(), 1))
+    recorder.done(schedule)
 
 
 if __name__ == "__main__":

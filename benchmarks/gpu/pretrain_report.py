@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .record import read_records
 from benchmarks.common import BASELINE, markdown_table, pyplot
+from benchmarks.records import describe_environment, environment_of, read_records
 from benchmarks.studies.reports.seeds import save
 from benchmarks.studies.seed_statistics import interpolate_curve, tokens_to_reach
 from benchmarks.studies.store import RunStore, portable_path
@@ -154,19 +154,13 @@ def plot(arms: dict[str, Arm], path: Path) -> None:
     save(plt, figure, (left, right), path)
 
 
-def environment_line(environment: dict) -> str:
-    return (f"Measured {environment.get('date')} on {environment.get('device')} (torch {environment.get('torch')}, "
-            f"CUDA {environment.get('cuda')}), transformers {environment.get('transformers')}, resformer-hf "
-            f"{environment.get('resformer_hf')}.")
-
-
 def store_runs(paths: list[Path], store: RunStore) -> list[Path]:
     """Store every finished arm of these runs under the identity it recorded; returns the files written (an arm
     already stored keeps its first record)."""
     written = []
     for path in paths:
         records = read_records(path)
-        environment = next((r for r in records if r["part"] == "run" and r["name"] == "environment"), {})
+        environment = environment_of(records)
         data = next((r for r in records if r["part"] == PART and r["name"] == "data"), None)
         for record in records:
             if record["part"] != PART or not record["name"].startswith("final/") or not record.get("complete"):
@@ -176,7 +170,7 @@ def store_runs(paths: list[Path], store: RunStore) -> list[Path]:
                                                    "non_embedding_parameters", "lambdas")}
             described = (f"{data['files']:,} Python source files of the machine's installation, corpus digest "
                          f"{data['corpus_digest']}" if data else "see the records")
-            provenance = {"environment": environment_line(environment), "data": described,
+            provenance = {"environment": describe_environment(environment), "data": described,
                           "command": environment.get("command", ""), "records": portable_path(path)}
             if store.put(record["identity"], result, provenance):
                 written.append(store.path(record["identity"]))

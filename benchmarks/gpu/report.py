@@ -9,15 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .pretrain_report import section as pretrain_section
-from .record import read_records
+from benchmarks.common import markdown_table
+from benchmarks.records import environment_of, read_records
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 GPU_MD = RESULTS / "gpu.md"
-
-
-def _table(header: list[str], rows: list[list[object]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
 
 
 def _mark(ok) -> str:
@@ -69,7 +65,7 @@ RUN_NOTES = {
 def environment_lines(runs: list[list[dict]], paths: list[Path]) -> list[str]:
     lines = []
     for number, (records, path) in enumerate(zip(runs, paths), start=1):
-        env = next((r for r in records if r["name"] == "environment"), {})
+        env = environment_of(records)
         done = next((r for r in records if r["name"] == "done"), None)
         parts = " ".join(env.get("parts", []))
         variants = ", ".join(env["variants"]) or "all" if "variants" in env else "not recorded"
@@ -119,7 +115,7 @@ def correctness_section(found) -> list[str]:
              "Relative L2 errors against `tests/reference.py` in float64 on the CPU (prompts of 8 and 40 tokens, the "
              "worse shown); float32 must stay within 1e-4, bf16 within three times the Llama control's error. Cache "
              "columns: greedy tokens equal `generate()` without a cache; continuous batching: `generate_batch` equals "
-             "`generate()` on four prompts of mixed lengths.", "", *_table(header, rows), ""]
+             "`generate()` on four prompts of mixed lengths.", "", markdown_table(header, rows), ""]
     skipped = [name for (part, name), (_, r) in found.items() if part == "correctness" and r.get("skipped")]
     if skipped:
         lines += [f"Not reached in the run's time: {', '.join(skipped)}.", ""]
@@ -154,8 +150,8 @@ def training_section(found) -> list[str]:
                          f"{record['peak_bytes'] / 2**30:.2f}", run,
                          _mark(record.get("ok")) + (f" (first step {record['first_step_s']:.0f} s)"
                                                     if "first_step_s" in record else "")])
-        lines += [f"### {mode}", "", *_table(["model", "step ms", "tokens/s", "time / Llama", "memory / Llama",
-                                               "peak GiB", "run", "goal"], rows), ""]
+        lines += [f"### {mode}", "", markdown_table(["model", "step ms", "tokens/s", "time / Llama", "memory / Llama",
+                                                    "peak GiB", "run", "goal"], rows), ""]
     return lines
 
 
@@ -174,7 +170,7 @@ def decode_section(found) -> list[str]:
     return ["## Decoding: `generate()`, static cache, compiled (4k context)", "",
             "Per-token time from `N + 1` new tokens less 1 (the prefill cancels), medians of interleaved calls; "
             "goal ≤ 1.02 of Llama's time for mixing variants.", "",
-            *_table(["batch", "model", "ms / step", "tokens/s", "time / Llama", "run", "goal"], rows), ""]
+            markdown_table(["batch", "model", "ms / step", "tokens/s", "time / Llama", "run", "goal"], rows), ""]
 
 
 def capacity_section(found) -> list[str]:
@@ -194,8 +190,8 @@ def capacity_section(found) -> list[str]:
             f"`generate_batch` with the plugin's paged cache, {first.get('requests')} requests of "
             f"{first.get('sequence_tokens')} tokens ({first.get('new_tokens')} generated), one cache budget for "
             "every model; goal: SVFormer ≥ 1.6× Llama's sequences and tokens/s.", "",
-            *_table(["model", "8k sequences held", "cache GiB", "× Llama", "tokens/s", "× Llama", "run", "goal"],
-                    rows), ""]
+            markdown_table(["model", "8k sequences held", "cache GiB", "× Llama", "tokens/s", "× Llama", "run",
+                            "goal"], rows), ""]
 
 
 def write_report(*paths: Path, out: Path = GPU_MD) -> Path:

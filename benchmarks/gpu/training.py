@@ -28,6 +28,7 @@ import statistics
 import time
 
 import torch
+from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
@@ -58,18 +59,11 @@ def goal(variant: str, mode: str = "eager") -> tuple[float, float]:
 
 
 def ratio_interval(samples: list[float], llama: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of the per-round ratios to Llama and its 95% t-interval (log scale: ratios multiply); the normal
-    quantile where scipy is not installed (within 4% of t's at 30 rounds)."""
+    """Geometric mean of the per-round ratios to Llama and its 95% t-interval (log scale: ratios multiply)."""
     logs = [math.log(mine / theirs) for mine, theirs in zip(samples, llama)]
     mean = statistics.fmean(logs)
-    try:
-        from scipy import stats
-
-        quantile = stats.t.ppf(0.975, len(logs) - 1)
-    except ImportError:
-        quantile = statistics.NormalDist().inv_cdf(0.975)
-    half = quantile * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+    low, high = stats.t.interval(0.95, len(logs) - 1, mean, stats.sem(logs)) if len(logs) > 1 else (mean, mean)
+    return math.exp(mean), math.exp(low), math.exp(high)
 
 
 class Trainee:

@@ -47,9 +47,8 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks.common import RESULTS_DIR, markdown_table
-from benchmarks.gpu.__main__ import open_run
 from benchmarks.gpu.decode import build, cache_sequences, timed
-from benchmarks.gpu.record import Recorder, Schedule, read_records
+from benchmarks.records import Recorder, Schedule, describe_environment, environment_of, open_run, read_records
 
 PART = "capacity"
 MODELS = ("llama", "svformer")
@@ -183,7 +182,7 @@ def summarise(records: list[dict]) -> list[dict]:
 def write_report(path: Path, out: Path = RESULTS_DIR / "capacity.md") -> Path:
     records = read_records(path)
     rows = summarise(records)
-    environment_record = next((r for r in records if r.get("name") == "environment"), {})
+    environment = environment_of(records)
     runs = [r for r in records if r.get("part") == PART and "tokens_per_s" in r]
     table = markdown_table(
         ["budget (Llama sequences)", "rounds", "sequences held: Llama / SVFormer",
@@ -203,9 +202,8 @@ def write_report(path: Path, out: Path = RESULTS_DIR / "capacity.md") -> Path:
         f"ideal {tightest['ideal']:.2f}x): goal {'met' if tightest['tokens_ratio'] >= GOAL else 'not met'}")
     text = "\n".join([
         "# Decode-heavy serving capacity: SVFormer vs Llama (continuous batching)", "",
-        f"`python -m benchmarks.serving.bench_capacity` on {environment_record.get('device')} "
-        f"(torch {environment_record.get('torch')}, transformers {environment_record.get('transformers')}"
-        f"{', smoke: toy sizes on the CPU' if environment_record.get('smoke') else ''}). "
+        f"`python -m benchmarks.serving.bench_capacity`. {describe_environment(environment)}"
+        f"{' Smoke: toy sizes on the CPU.' if environment.get('smoke') else ''} "
         "Tokens/s: the median over interleaved rounds after a warm-up. See the module docstring for the workload.", "",
         table, "", f"Verdict: {verdict}.", "", "Step time against concurrency (first measured round):", "", steps, ""])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,11 +222,10 @@ def main(argv=None) -> None:
     if args.report:
         print(f"wrote {write_report(args.report, args.report_to)}")
         return
-    device, recorder = open_run(args.out / "capacity.jsonl", args.smoke, seconds=args.seconds)
-    schedule = Schedule(args.seconds, {PART: 1.0})
+    device, recorder, schedule = open_run(args.out / "capacity.jsonl", args.smoke, args.seconds, {PART: 1.0})
     schedule.begin(PART)
     run(recorder, schedule, device, args.smoke)
-    recorder.write("run", "done", ok=None, elapsed_s=round(schedule.elapsed(), 1))
+    recorder.done(schedule)
 
 
 if __name__ == "__main__":

@@ -92,18 +92,17 @@ def main(argv=None) -> None:
     args.output = args.output or (KV_RESULTS if args.kv_only else RESULTS)
 
     import os
-    import platform
 
     # Every engine's core and worker in this process: no engine processes left spinning between their turns
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     import torch
-    import transformers
     import vllm
     from vllm import LLM, SamplingParams
 
-    import resformer_hf
     from resformer_hf.vllm_plugin import register
+
+    from benchmarks.common import environment_line, markdown_table
 
     register()  # what vLLM's plugin loader does when the plugin is installed; explicit, so a source checkout works
 
@@ -170,8 +169,6 @@ def main(argv=None) -> None:
                          f"{cache_tokens[name]}", f"{cache_tokens[name] / cache_tokens['llama']:.3f}"))
     header = ("batch", "model", "decode tok/s (median)", "range", "/ Llama (median of rounds)", "ratio range",
               "KV bytes/token", "KV / Llama", "cache tokens", "tokens / Llama")
-    table = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    table += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     command = "python -m benchmarks.serving.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
     svformer_ideal = (args.layers + 1) / (2 * args.layers)
     text = "\n".join([
@@ -189,7 +186,7 @@ def main(argv=None) -> None:
         "round. `llama_2` is a second Llama (other random weights): the noise floor. Goal: learnable_plus and "
         "svformer ≥ 0.98 of Llama.",
         "",
-        "\n".join(table),
+        markdown_table(header, rows),
         "",
         f"KV bytes/token: the KV cache vLLM was given ({args.kv_cache_mib} MiB) over the tokens it holds in it "
         "(cache tokens). "
@@ -200,10 +197,9 @@ def main(argv=None) -> None:
         f"{per_token['svformer_cla2'] / per_token['llama']:.4f} (ideal (L/2+1)/(2L) = "
         f"{RESFORMERS['svformer_cla2'][2](args.layers):.4f}). Exact: they do not depend on load.",
         "",
-        f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or 'CPU'} (vLLM CPU backend, "
-        f"{torch.get_num_threads()} torch threads in the driver, shared machine), vllm {vllm.__version__}, torch "
-        f"{torch.__version__}, transformers {transformers.__version__}, resformer-hf {resformer_hf.__version__}. "
-        f"Engine load times (s): " + ", ".join(f"{n} {s:.0f}" for n, s in load_seconds.items()) + ".",
+        f"{environment_line(torch.device('cpu'))} vLLM {vllm.__version__}, CPU backend (torch threads: the "
+        "driver's; a shared machine). Engine load times (s): "
+        + ", ".join(f"{n} {s:.0f}" for n, s in load_seconds.items()) + ".",
         f"Command: `{command.strip()}`",
         "",
     ])
@@ -216,13 +212,10 @@ def kv_report(args, per_token: dict, cache_tokens: dict, load_seconds: dict, hea
               argv) -> str:
     """The `--kv-only` table: bytes per cached token and tokens in the cache, each model over the Llama and the
     ideal ratio."""
-    import platform
-
     import torch
-    import transformers
     import vllm
 
-    import resformer_hf
+    from benchmarks.common import environment_line, markdown_table
 
     ideal = {"llama": ("1", 1.0), "llama_2": ("1", 1.0)}
     ideal.update({name: (formula, share(args.layers)) for name, (_, formula, share) in RESFORMERS.items()})
@@ -230,8 +223,6 @@ def kv_report(args, per_token: dict, cache_tokens: dict, load_seconds: dict, hea
     rows = [(name, f"{per_token[name]:.0f}", f"{per_token[name] / per_token['llama']:.4f}",
              f"{ideal[name][0]} = {ideal[name][1]:.4f}", f"{cache_tokens[name]}",
              f"{cache_tokens[name] / cache_tokens['llama']:.3f}") for name in MODELS]
-    table = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    table += ["| " + " | ".join(row) + " |" for row in rows]
     command = "python -m benchmarks.serving.bench_vllm " + " ".join(sys.argv[1:] if argv is None else argv)
     return "\n".join([
         "# vLLM KV cache: ResFormer vs Llama",
@@ -242,11 +233,9 @@ def kv_report(args, per_token: dict, cache_tokens: dict, load_seconds: dict, hea
         f"({args.kv_cache_mib} MiB) over the tokens it holds in it (cache tokens, whole blocks). Exact: they do not "
         "depend on load.",
         "",
-        "\n".join(table),
+        markdown_table(header, rows),
         "",
-        f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or 'CPU'} (vLLM CPU backend), vllm "
-        f"{vllm.__version__}, torch {torch.__version__}, transformers {transformers.__version__}, resformer-hf "
-        f"{resformer_hf.__version__}. Engine load times (s): "
+        f"{environment_line(torch.device('cpu'))} vLLM {vllm.__version__} (CPU backend). Engine load times (s): "
         + ", ".join(f"{n} {s:.0f}" for n, s in load_seconds.items()) + ".",
         f"Command: `{command.strip()}`",
         "",

@@ -98,12 +98,10 @@ def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float 
         raise ValueError(f"paired_difference needs equally long, non-empty per-seed lists (got {len(a)}, {len(b)})")
     differences = [float(x) - float(y) for x, y in zip(a, b)]
     summary = spread(differences)
-    if summary.n > 1:
-        half = stats.t.ppf(0.5 + confidence / 2, summary.n - 1) * summary.std / math.sqrt(summary.n)
-    else:
-        half = math.inf
-    return PairedDifference(differences, summary.mean, summary.std, summary.mean - half, summary.mean + half,
-                            confidence, sum(d < 0 for d in differences))
+    low, high = (stats.t.interval(confidence, summary.n - 1, summary.mean, stats.sem(differences))
+                 if summary.n > 1 else (-math.inf, math.inf))
+    return PairedDifference(differences, summary.mean, summary.std, float(low), float(high), confidence,
+                            sum(d < 0 for d in differences))
 
 
 # ---- loss vs model size --------------------------------------------------------------------------------------------
