@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
-from .configuration_resformer import key_value_sources_of
+from .key_value_sources import key_value_sources_of
 
 
 class _ReadsProducerValues:

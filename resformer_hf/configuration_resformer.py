@@ -6,21 +6,19 @@ be converted to it, and the words a model card uses for it. The config turns tha
 (`value_residual_layer_roles`, `value_residual_sources`, ...) in the way Gemma's configs work out `layer_types`; the
 modeling, cache, conversion, card and quickstart code read those facts and never compare variant names.
 
-This file is copied next to `config.json` for `trust_remote_code` loading, so it imports only `transformers` (and
-`huggingface_hub`, which transformers itself requires) and its sibling `_compat.py`.
+Copied next to `config.json` for `trust_remote_code`: it imports only `transformers`, `huggingface_hub` (which
+transformers requires) and sibling files, each by `from .name import` (the only form the remote-code loader copies).
 """
 
 from __future__ import annotations
 
-# `from ._compat import ...`, not `from . import _compat`: transformers' remote-code loader copies only sibling files
-# named by `from .name import` (dynamic_module_utils.get_relative_imports), so the latter breaks trust_remote_code.
 from ._compat import OLDEST_SUPPORTED  # noqa: F401  (first: refuses an unsupported transformers in one line)
+from .key_value_sources import KeyValueSource, key_value_sources_of
 
 # isort: split
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
@@ -411,12 +409,8 @@ class ResFormerConfig(LlamaConfig):
 
     @property
     def key_value_sources(self) -> list[KeyValueSource]:
-        """For each layer, the layers whose cached keys and values it attends over: itself for both, unless
-        cross-layer attention gives it its group's first layer's, or SVFormer layer 0's values. Every cache stores
-        by this alone (`key_value_sources_of`): the dynamic and static caches, the paged cache, vLLM's."""
-        reads_first = set(self.layers_without_value_projection)
-        return [KeyValueSource(keys=source, values=0 if layer in reads_first else source)
-                for layer, source in enumerate(self.key_value_source_layers)]
+        """For each layer, the layers whose cached keys and values it attends over (`key_value_sources.py`)."""
+        return key_value_sources_of(self)
 
     @property
     def denseformer_dilation_resolved(self) -> int:
@@ -444,28 +438,8 @@ class ResFormerConfig(LlamaConfig):
         return float(configured) if configured is not None else float(self.num_hidden_layers)
 
 
-class KeyValueSource(NamedTuple):
-    """The layers whose cached keys and values one layer attends over."""
-
-    keys: int
-    values: int
-
-
-def key_value_sources_of(config: Any) -> list[KeyValueSource]:
-    """`config.key_value_sources` for any config a cache meets: a ResFormer's; one loaded with remote code written
-    before the property existed (it has the two lists the property is made of); any other model's (every layer its
-    own)."""
-    if hasattr(config, "key_value_sources"):
-        return config.key_value_sources
-    if hasattr(config, "key_value_source_layers") and hasattr(config, "layers_without_value_projection"):
-        return ResFormerConfig.key_value_sources.fget(config)
-    layers = getattr(config, "num_hidden_layers", 0) or 0
-    return [KeyValueSource(layer, layer) for layer in range(layers)]
-
-
 __all__ = [
     "DEFAULT_CONVERSION_VARIANT",
-    "KeyValueSource",
     "DEFAULT_VARIANT",
     "VALUE_RESIDUAL_VARIANTS",
     "VARIANTS",
