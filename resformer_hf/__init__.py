@@ -7,9 +7,11 @@ from .cli import startup  # noqa: F401  (first, stdlib only: Ctrl-C while a comm
 
 # isort: split
 from .cache_accounting import cache_nbytes
-from .configuration_resformer import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
 from .conversion import ConversionError, ConversionReport, convert_llama_checkpoint
-from .modeling_resformer import (
+from .paged_cache import install as install_paged_cache
+from .registration import register_auto_classes
+from .remote_code.configuration_resformer import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
+from .remote_code.modeling_resformer import (
     ResFormerForCausalLM,
     ResFormerForQuestionAnswering,
     ResFormerForSequenceClassification,
@@ -17,9 +19,7 @@ from .modeling_resformer import (
     ResFormerModel,
     ResFormerPreTrainedModel,
 )
-from .paged_cache import install as install_paged_cache
-from .peft_support import LAMBDA_MODULES, register_peft_target_modules
-from .registration import register_auto_classes
+from .remote_code.peft_support import LAMBDA_MODULES, register_peft_target_modules
 
 __version__ = "0.1.0"
 

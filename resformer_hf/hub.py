@@ -23,10 +23,10 @@ from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
 from . import model_card
-from .configuration_resformer import ResFormerConfig
-from .modeling_resformer import ResFormerForCausalLM, ResFormerPreTrainedModel
 from .refresh_code import refresh_remote_code
 from .registration import full_auto_map
+from .remote_code.configuration_resformer import ResFormerConfig
+from .remote_code.modeling_resformer import ResFormerForCausalLM, ResFormerPreTrainedModel
 
 #: How a folder's model samples where its generation_config leaves `do_sample` unset: OpenAI's defaults (temperature
 #: 1, the whole distribution: no top-k, no nucleus). Left unset, each reader fills it in its own way: `generate()` and

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from huggingface_hub import ModelCard, ModelCardData
 
-from .configuration_resformer import ResFormerConfig
-from .value_residual import ValueResidual
+from .remote_code.configuration_resformer import ResFormerConfig
+from .remote_code.value_residual import ValueResidual
 
 #: Name of the template inside the package; `model_cards/resformer.md` in the repository is the same file.
 TEMPLATE_NAME = "model_card_template.md"

@@ -11,8 +11,8 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from .configuration_resformer import ResFormerConfig
-from .modeling_resformer import (
+from .remote_code.configuration_resformer import ResFormerConfig
+from .remote_code.modeling_resformer import (
     ResFormerForCausalLM,
     ResFormerForQuestionAnswering,
     ResFormerForSequenceClassification,

@@ -35,7 +35,7 @@ from typing import Any
 
 import transformers
 
-from .modeling_resformer import (
+from .remote_code.modeling_resformer import (
     ResFormerForCausalLM,
     ResFormerForQuestionAnswering,
     ResFormerForSequenceClassification,

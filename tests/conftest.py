@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # One torch thread per process (the processes the tests start inherit it): the models are tiny, where more threads only
 # add synchronisation (greedy decoding 10x slower on a busy 2-core machine); `-n` runs test files side by side.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Triton kernels (`resformer_hf/mix_kernels.py`) run in Triton's interpreter, on CPU tensors: set before anything
+# Triton kernels (`remote_code/mix_kernels.py`) run in Triton's interpreter, on CPU tensors: set before anything
 # imports triton, whose library kernels (`tl.sum`) read it then. `TRITON_INTERPRET=0` tests them compiled on a GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 
-import resformer_hf.value_residual
+import resformer_hf.remote_code.value_residual
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
-from resformer_hf._compat import with_cache
-from resformer_hf.configuration_resformer import VARIANTS
 from resformer_hf.examples.finetune import BLOCK_SIZE, TEXT_CHARS, VOCAB_SIZE, build_model, training_arguments
+from resformer_hf.remote_code._compat import with_cache
+from resformer_hf.remote_code.configuration_resformer import VARIANTS
 from resformer_hf.text import block_dataset, sample_text, train_tokenizer
 
 #: The size most tests use: 4 layers, GQA (4 query heads, 2 kv heads), small enough for exhaustive per-variant tests.
@@ -90,7 +90,7 @@ def lambdas_as_tensors() -> Iterator[None]:
     a sharded or a compiled model takes, where `readable_as_numbers` is False. On the CPU they are otherwise read as
     Python numbers, so without this the tensor path would never run in the suite. Every package module that imported
     `readable_as_numbers` is told no."""
-    readable = resformer_hf.value_residual.readable_as_numbers
+    readable = resformer_hf.remote_code.value_residual.readable_as_numbers
     readers = [module for name, module in list(sys.modules.items())
                if name.startswith("resformer_hf.") and getattr(module, "readable_as_numbers", None) is readable]
     with contextlib.ExitStack() as patches:

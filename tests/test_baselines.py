@@ -13,8 +13,8 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM, cache_nbytes
-from resformer_hf._compat import cache_of, with_cache
-from resformer_hf.cache_resformer import SharedKeysValuesDynamicLayer, share_cache_storage
+from resformer_hf.remote_code._compat import cache_of, with_cache
+from resformer_hf.remote_code.cache_resformer import SharedKeysValuesDynamicLayer, share_cache_storage
 
 from helpers import TINY, llama_config_like, model_with_random_lambdas, tiny_config
 from reference import reference_logits

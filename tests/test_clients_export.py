@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
 from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM, export_with_dynamic_cache
 
-from resformer_hf._compat import cache_of, with_cache
+from resformer_hf.remote_code._compat import cache_of, with_cache
 
 MAX_CACHE_LEN = 32
 

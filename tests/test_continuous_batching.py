@@ -19,8 +19,8 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCau
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 
-from resformer_hf.configuration_resformer import VARIANTS
 from resformer_hf.paged_cache import StoredKeysValuesAllocator
+from resformer_hf.remote_code.configuration_resformer import VARIANTS
 
 from helpers import llama_config_like, randomised_model, tiny_config
 

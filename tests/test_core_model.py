@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
-from resformer_hf._compat import with_cache
+from resformer_hf.remote_code._compat import with_cache
 
 from helpers import TINY, model_with_random_lambdas, randomised_model, tiny_config
 from reference import reference_logits
@@ -274,7 +274,7 @@ def test_lambdas_stay_float32_when_loading_in_bfloat16(tmp_path):
 @pytest.mark.parametrize("variant", ["learnable_plus", "constant", "neutreno"])
 def test_the_bf16_tolerance_catches_a_wrong_lambda_first(tmp_path, monkeypatch, variant):
     """Regression for the tolerance itself: λ_first × 0.7 in the bf16 pass (no gradient) must fail the bf16 check."""
-    from resformer_hf.value_residual import ValueResidual
+    from resformer_hf.remote_code.value_residual import ValueResidual
 
     layer_mixes = ValueResidual.layer_mixes
     model = randomised_model(variant)

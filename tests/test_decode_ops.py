@@ -13,10 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 
-from resformer_hf._compat import with_cache
-from resformer_hf.cache_resformer import share_first_layer_values
-from resformer_hf.configuration_resformer import CORRECT, GATE, MIX_ALL, REUSE, VARIANTS
-from resformer_hf.value_paths import BATCHED_SCALING_MAX_TOKENS
+from resformer_hf.remote_code._compat import with_cache
+from resformer_hf.remote_code.cache_resformer import share_first_layer_values
+from resformer_hf.remote_code.configuration_resformer import CORRECT, GATE, MIX_ALL, REUSE, VARIANTS
+from resformer_hf.remote_code.value_paths import BATCHED_SCALING_MAX_TOKENS
 
 from helpers import NON_DEFAULT, decode_logits, llama_config_like, model_with_random_lambdas, tiny_config
 from reference import reference_logits

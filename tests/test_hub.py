@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerFast
 import resformer_hf
 from resformer_hf import ResFormerForCausalLM, ResFormerForSequenceClassification
 from resformer_hf import hub as resformer_hub
-from resformer_hf._compat import cache_of
+from resformer_hf.remote_code._compat import cache_of
 
 from helpers import tiny_config
 
@@ -97,7 +97,14 @@ def _relative_imports(path: Path) -> set[str]:
     return found
 
 
-EXPECTED_CODE_FILES = {"modeling_resformer.py"} | _relative_imports(PACKAGE_DIR / "modeling_resformer.py")
+#: The remote code is exactly one folder of the package: every module in it, and nothing else, is what modeling
+#: imports and what `save_pretrained` copies (so editing a file outside it never changes a published folder).
+CODE_DIR = PACKAGE_DIR / "remote_code"
+EXPECTED_CODE_FILES = {path.name for path in CODE_DIR.glob("*.py")} - {"__init__.py"}
+
+
+def test_the_remote_code_folder_is_exactly_what_modeling_imports():
+    assert {"modeling_resformer.py"} | _relative_imports(CODE_DIR / "modeling_resformer.py") == EXPECTED_CODE_FILES
 
 
 def _perturb_lambdas(model) -> None:
@@ -127,7 +134,7 @@ def test_save_pretrained_writes_self_contained_remote_code(tmp_path):
     assert code_files == EXPECTED_CODE_FILES
     assert {"configuration_resformer.py", "value_residual.py"} <= code_files
     for name in code_files:
-        assert (tmp_path / name).read_bytes() == (PACKAGE_DIR / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == (CODE_DIR / name).read_bytes()
         tree = ast.parse((tmp_path / name).read_text())
         # Imports inside `try` are optional (transformers' check_imports skips them too, e.g. PEFT's defaults).
         optional = {id(node) for block in ast.walk(tree) if isinstance(block, ast.Try)

@@ -18,9 +18,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaForCausalLM
 
-from resformer_hf._compat import with_cache
-from resformer_hf.cache_resformer import share_cache_storage
-from resformer_hf.configuration_resformer import VARIANTS
+from resformer_hf.remote_code._compat import with_cache
+from resformer_hf.remote_code.cache_resformer import share_cache_storage
+from resformer_hf.remote_code.configuration_resformer import VARIANTS
 
 from helpers import lambdas_as_tensors, llama_config_like, model_with_random_lambdas, tiny_config
 

@@ -1,4 +1,4 @@
-"""The Triton mix kernels (`resformer_hf/mix_kernels.py`) against float32 arithmetic and against the torch ops of
+"""The Triton mix kernels (`remote_code/mix_kernels.py`) against float32 arithmetic and against the torch ops of
 `_ProjectAndMix` they replace on CUDA, run on the CPU by Triton's interpreter (`TRITON_INTERPRET=1`).
 
 Sizes are not multiples of the kernels' block, so a wrong mask or a block that is never written shows; λ are views of
@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from resformer_hf import mix_kernels, value_mixing
-from resformer_hf.value_mixing import _ProjectAndMix
+from resformer_hf.remote_code import mix_kernels, value_mixing
+from resformer_hf.remote_code.value_mixing import _ProjectAndMix
 
 pytest.importorskip("triton")
 

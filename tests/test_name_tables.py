@@ -15,7 +15,7 @@ from transformers.modelcard import TrainingSummary
 from transformers.models.auto import modeling_auto
 
 import resformer_hf
-from resformer_hf.modeling_resformer import MODEL_TYPE_NAME_TABLES, register_model_type_names
+from resformer_hf.remote_code.modeling_resformer import MODEL_TYPE_NAME_TABLES, register_model_type_names
 
 from helpers import llama_pair, model_with_random_lambdas, tiny_config, training_arguments
 
@@ -45,7 +45,7 @@ def test_registration_is_idempotent_and_keeps_the_auto_mappings_importable():
     register_model_type_names()
     assert {name: dict(table) for name, table in tables_listing_llama().items()} == before
     # The lazy Auto mappings import transformers.models.<type> for listed types they also find in CONFIG_MAPPING_NAMES;
-    # "resformer" must not be there, or listing their keys would try to import transformers.models.resformer.
+    # "resformer" must not be there, or listing their keys would try to import transformers.remote_code.
     assert "resformer" not in modeling_auto.CONFIG_MAPPING_NAMES
     assert resformer_hf.ResFormerForCausalLM in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING.values()
     assert resformer_hf.ResFormerConfig in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, default_data_collator
 
 from resformer_hf import LAMBDA_MODULES, ResFormerForCausalLM, register_peft_target_modules
-from resformer_hf.value_residual import ValueResidual
+from resformer_hf.remote_code.value_residual import ValueResidual
 
 from helpers import build_model, example_data, llama_pair, run_fresh_python, step_losses, training_arguments
 
@@ -202,7 +202,7 @@ def test_lambdas_train_with_lora_and_travel_with_the_adapter(data, tmp_path):
 def test_value_gates_train_with_lora_and_travel_with_the_adapter(data, tmp_path):
     """`gated`: `LAMBDA_MODULES` makes every layer's value gate trainable beside LoRA; the trained gates are saved in
     the adapter, reload to the same logits, and merge into a standalone model with real `ValueGate`s."""
-    from resformer_hf.value_mixing import ValueGate
+    from resformer_hf.remote_code.value_mixing import ValueGate
 
     model = build_model(len(data[0]), value_residual="gated")
     model.save_pretrained(tmp_path / "base")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from resformer_hf import ResFormerForCausalLM, cache_nbytes
-from resformer_hf._compat import cache_of, with_cache
+from resformer_hf.remote_code._compat import cache_of, with_cache
 
 from helpers import llama_pair, tiny_config
 

@@ -202,7 +202,7 @@ def test_a_5_mb_prompt_is_refused_without_stalling_the_server(fixture, path, req
 SENTINEL = 7
 FAIL_ON_SENTINEL = f"""
 from transformers.models.llama.modeling_llama import LlamaModel
-from resformer_hf.modeling_resformer import ResFormerModel
+from resformer_hf.remote_code.modeling_resformer import ResFormerModel
 
 def failing(forward):
     def wrapped(self, input_ids=None, *args, **kwargs):

@@ -35,9 +35,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from resformer_hf import ResFormerConfig, convert_llama_checkpoint  # noqa: E402
-from resformer_hf.configuration_resformer import VARIANTS  # noqa: E402
 from resformer_hf.examples.finetune import TEXT_CHARS, VOCAB_SIZE  # noqa: E402
 from resformer_hf.hub import save_for_hub  # noqa: E402
+from resformer_hf.remote_code.configuration_resformer import VARIANTS  # noqa: E402
 from resformer_hf.text import sample_text, train_tokenizer  # noqa: E402
 
 from helpers import TINY, model_with_random_lambdas  # noqa: E402
@@ -152,7 +152,7 @@ def test_offline_with_plugin(served, tmp_path):
         assert probe["plugin_importable"], probe
         if name != "llama":  # the plugin's vLLM model, running the plugin's modeling code
             assert probe["served_class"] == "resformer_hf.vllm_plugin.model.ResFormerForCausalLM", probe
-            assert probe["model_class"] == "resformer_hf.modeling_resformer.ResFormerModel", probe
+            assert probe["model_class"] == "resformer_hf.remote_code.modeling_resformer.ResFormerModel", probe
         assert len(probe["attention_layers"]) == layers
         assert all(layer["num_kv_heads"] == TINY["num_key_value_heads"] and layer["head_size"] == 32
                    for layer in probe["attention_layers"]), probe

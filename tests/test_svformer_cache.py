@@ -9,8 +9,8 @@ from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausa
 from transformers.cache_utils import DynamicLayer
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM, cache_nbytes
-from resformer_hf._compat import cache_of, with_cache
-from resformer_hf.cache_resformer import share_first_layer_values
+from resformer_hf.remote_code._compat import cache_of, with_cache
+from resformer_hf.remote_code.cache_resformer import share_first_layer_values
 
 from helpers import TINY
 

@@ -23,9 +23,10 @@ import transformers
 from transformers import AutoModelForCausalLM, DynamicCache, GenerationMixin
 
 import resformer_hf
-from resformer_hf import ResFormerForCausalLM, _compat
-from resformer_hf._compat import OLDEST_SUPPORTED, UntestedTransformersWarning, supported_range, with_cache
+from resformer_hf import ResFormerForCausalLM
 from resformer_hf.hub import finish_hub_folder
+from resformer_hf.remote_code import _compat
+from resformer_hf.remote_code._compat import OLDEST_SUPPORTED, UntestedTransformersWarning, supported_range, with_cache
 
 from helpers import model_with_random_lambdas, run_fresh_python, tiny_config
 from pypi_cache import FetchError, pip_target, unavailable

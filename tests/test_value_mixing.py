@@ -14,8 +14,8 @@ from torch import nn
 from torch.autograd import gradcheck
 from torch.func import functional_call
 
-from resformer_hf.depth_weighted_average import dense_values
-from resformer_hf.value_mixing import (
+from resformer_hf.remote_code.depth_weighted_average import dense_values
+from resformer_hf.remote_code.value_mixing import (
     ValueGate,
     corrected_output_projection,
     gated_values,

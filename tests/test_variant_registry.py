@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import resformer_hf
-from resformer_hf import configuration_resformer as registry
 from resformer_hf.model_card import build_model_card
+from resformer_hf.remote_code import configuration_resformer as registry
 
 from helpers import model_with_random_lambdas, tiny_config
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from resformer_hf.configuration_resformer import VARIANTS
+from resformer_hf.remote_code.configuration_resformer import VARIANTS
 
 from benchmarks.common import (
     BASELINE,
@@ -156,7 +156,7 @@ def write_report(results: list[dict], args, device: torch.device) -> str:
         "the variant's). Ops: aten ops one eager decode step dispatches beyond Llama's (batch 1, exact). "
         f"Vocab {args.vocab_size}, head dim {args.head_dim}, {args.dtype}, no gradient.",
         "",
-        "Without a gradient the mix runs on v_proj's output (`resformer_hf/value_paths.py`): "
+        "Without a gradient the mix runs on v_proj's output (`resformer_hf/remote_code/value_paths.py`): "
         "λ are resolved once per forward pass for all layers and each mixing layer adds one fused op (`dense` three, "
         "NeuTRENO two), never touching a weight; training keeps the fused functions of `value_mixing.py`.",
     ]

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from transformers import StaticCache
 
-from resformer_hf._compat import cache_of, with_cache
-from resformer_hf.cache_resformer import share_first_layer_values
+from resformer_hf.remote_code._compat import cache_of, with_cache
+from resformer_hf.remote_code.cache_resformer import share_first_layer_values
 
 from benchmarks import common
 from benchmarks.common import (

@@ -144,7 +144,7 @@ def _new_cache(job: Job, model):
     """An empty cache as the counted call uses it: static for a compiled step, else dynamic as `generate()`'s."""
     from transformers import DynamicCache, StaticCache
 
-    from resformer_hf.cache_resformer import share_first_layer_values
+    from resformer_hf.remote_code.cache_resformer import share_first_layer_values
 
     if job.kind == "compiled decode":
         return StaticCache(config=model.config, max_cache_len=job.context + job.number + 1)
@@ -160,7 +160,7 @@ def _prepare(spec: Path) -> None:
     which leaves their kernels in inductor's on-disk cache for the counting process."""
     import torch
 
-    from resformer_hf._compat import with_cache
+    from resformer_hf.remote_code._compat import with_cache
 
     with torch.no_grad():
         for index, job in enumerate(_jobs(spec)):
@@ -194,7 +194,7 @@ def _action(job: Job, model, prompt, cache):
     """(rewind, call): `call` is what is counted; `rewind` puts the cache back so that every count sees the same."""
     import torch
 
-    from resformer_hf._compat import with_cache
+    from resformer_hf.remote_code._compat import with_cache
 
     if job.kind == "prefill":
         return (lambda: None), lambda: model(prompt, **with_cache(_new_cache(job, model)), use_cache=True)

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache, StaticCache
 
-from resformer_hf._compat import with_cache
-from resformer_hf.cache_resformer import share_first_layer_values
+from resformer_hf.remote_code._compat import with_cache
+from resformer_hf.remote_code.cache_resformer import share_first_layer_values
 
 
 def add_clock_arg(parser: argparse.ArgumentParser) -> None:

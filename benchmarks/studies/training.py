@@ -11,7 +11,7 @@ import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from resformer_hf import cache_nbytes
-from resformer_hf._compat import cache_of
+from resformer_hf.remote_code._compat import cache_of
 
 from benchmarks.common import build_model
 from benchmarks.studies.data import Data

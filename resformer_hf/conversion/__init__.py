@@ -15,7 +15,11 @@ order). `safetensors_io` and `staging` are generic and import nothing from `resf
 
 from __future__ import annotations
 
-from ..configuration_resformer import DEFAULT_CONVERSION_VARIANT, convertible_variants, output_preserving_variants
+from ..remote_code.configuration_resformer import (
+    DEFAULT_CONVERSION_VARIANT,
+    convertible_variants,
+    output_preserving_variants,
+)
 from .config import DTYPES, INITS, SUPPORTED_MODEL_TYPES, build_resformer_config
 from .convert import convert_llama_checkpoint
 from .report import ConversionError, ConversionReport

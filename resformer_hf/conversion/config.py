@@ -12,7 +12,12 @@ import re
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ..configuration_resformer import VARIANTS, ResFormerConfig, convertible_variants, output_preserving_variants
+from ..remote_code.configuration_resformer import (
+    VARIANTS,
+    ResFormerConfig,
+    convertible_variants,
+    output_preserving_variants,
+)
 from .report import ConversionError
 from .safetensors_io import TensorInfo
 

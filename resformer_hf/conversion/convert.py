@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers.utils import logging
 
-from ..configuration_resformer import DEFAULT_CONVERSION_VARIANT
 from ..hub import finish_hub_folder
+from ..remote_code.configuration_resformer import DEFAULT_CONVERSION_VARIANT
 from .config import (
     build_resformer_config,
     check_options,

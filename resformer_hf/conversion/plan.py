@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_resformer import ResFormerConfig
+from ..remote_code.configuration_resformer import ResFormerConfig
 from .report import ConversionError, short_list
 from .safetensors_io import TensorInfo
 from .source import output_shard_name
@@ -57,7 +57,7 @@ class Plan:
 
 def meta_model(config: ResFormerConfig):
     """The target model on the meta device; a config that cannot build a model is the user's `config.json`."""
-    from ..modeling_resformer import ResFormerForCausalLM
+    from ..remote_code.modeling_resformer import ResFormerForCausalLM
 
     try:
         with torch.device("meta"):
@@ -77,7 +77,7 @@ def expected_state(model) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def _is_value_gate(model, name: str) -> bool:
     """Whether `name` is a tensor of a gated layer's value gate (`value_gate.ValueGate`)."""
-    from ..value_mixing import ValueGate
+    from ..remote_code.value_mixing import ValueGate
 
     return isinstance(model.get_submodule(name.rpartition(".")[0]), ValueGate)
 

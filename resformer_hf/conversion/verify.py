@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_resformer import ResFormerConfig
+from ..remote_code.configuration_resformer import ResFormerConfig
 from .report import PROBE_SHAPE, ConversionError, ConversionReport, short_list
 
 

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..configuration_resformer import DEFAULT_VARIANT, convertible_variants, output_preserving_variants
 from ..conversion import ConversionError, ConversionReport, convert_llama_checkpoint
 from ..conversion.staging import OutputPathError, StagedDirectory, check_output_path
 from ..hub import save_for_hub, upload_folder_to_hub
+from ..remote_code.configuration_resformer import DEFAULT_VARIANT, convertible_variants, output_preserving_variants
 from ..text import train_tokenizer
 from .steps import (
     SAMPLING,
