@@ -13,16 +13,16 @@ import random
 import pytest
 from transformers import GenerationConfig
 
-from resformer_hf.serving_checks import (
+from resformer_hf.serving.checks import (
     MAX_CHOICES,
     completion_prompts,
     count_tokens,
     field_problem,
     length_problem,
 )
-from resformer_hf.serving_fanout import fan_out, part_bodies
-from resformer_hf.serving_hf import ModelFacts, RequestChecks
-from resformer_hf.serving_sampling import batching_problem, openai_sampling, per_request_sampling
+from resformer_hf.serving.fanout import fan_out, part_bodies
+from resformer_hf.serving.sampling import batching_problem, openai_sampling, per_request_sampling
+from resformer_hf.serving.server import ModelFacts, RequestChecks
 from resformer_hf.text import sample_text, train_tokenizer
 
 

@@ -2,7 +2,7 @@
 (`transformers serve`) for a ResFormer folder or Hub id, loaded with the plugin's classes.
 
 Every option is `transformers serve`'s own (parsed by its own command-line definition, so the options are exactly
-those of the installed release); FOLDER is the model it preloads and serves. See `resformer_hf.serving_hf` for the
+those of the installed release); FOLDER is the model it preloads and serves. See `resformer_hf.serving.server` for the
 things added: the plugin's classes made loadable by the server, request checks (400s), `n` and token-id prompts, and
 an exit with status 1 when the continuous-batching worker dies.
 """
@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import resformer_hf  # noqa: F401 - registers the Auto classes
 
-    from ..serving_hf import checked_requests, expose_plugin_classes
+    from ..serving.server import checked_requests, expose_plugin_classes
 
     expose_plugin_classes()
     command = _serve_command()

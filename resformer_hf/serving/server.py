@@ -10,11 +10,11 @@ then used unchanged, every option included.
 its completion handler and generation state classes, all looked up when the server is built):
 
 - `RequestChecks`, an ASGI middleware: a request the model cannot run or that the server would misread gets a 400
-  with a message (`serving_checks`), checked off the event loop (a 5 MB prompt does not stall `/health`); `n` > 1
-  and lists of prompts are answered with every choice (`serving_fanout`); each request is given an id of its own,
+  with a message (`checks`), checked off the event loop (a 5 MB prompt does not stall `/health`); `n` > 1
+  and lists of prompts are answered with every choice (`fanout`); each request is given an id of its own,
   the key the server's engine files it under (two requests with one client `X-Request-ID` are both answered), and
   the client's `X-Request-ID` is echoed on its answer;
-- OpenAI's sampling semantics, with and without continuous batching (`serving_sampling`);
+- OpenAI's sampling semantics, with and without continuous batching (`sampling`);
 - `TokenIdsCompletionHandler`: token-id prompts, which the OpenAI completions API allows and the server refuses;
 - a watchdog: if the continuous-batching worker dies (the server's `/health` says `cb_worker_dead`), the server
   stops and `resformer-serve` exits with status 1, so a supervisor restarts it, instead of answering 503 forever;
@@ -35,14 +35,14 @@ from typing import Any
 
 import transformers
 
-from .remote_code.modeling_resformer import (
+from ..remote_code.modeling_resformer import (
     ResFormerForCausalLM,
     ResFormerForQuestionAnswering,
     ResFormerForSequenceClassification,
     ResFormerForTokenClassification,
     ResFormerModel,
 )
-from .serving_checks import (
+from .checks import (
     CHOICE_ENDPOINTS,
     GENERATION_ENDPOINTS,
     Plan,
@@ -54,8 +54,8 @@ from .serving_checks import (
     out_of_vocabulary,
     text_messages,
 )
-from .serving_fanout import answer_json, fan_out, part_bodies, with_length
-from .serving_sampling import batching_problem, per_request_manager, sampling_handler, seeded_manager
+from .fanout import answer_json, fan_out, part_bodies, with_length
+from .sampling import batching_problem, per_request_manager, sampling_handler, seeded_manager
 
 PLUGIN_CLASSES = (
     ResFormerModel,
@@ -300,7 +300,7 @@ def _replay(messages: list[dict], receive: Callable) -> Callable:
 @contextlib.contextmanager
 def checked_requests(model_source: str, batching: bool = False) -> Iterator[ServerState]:
     """While in the block, the server `transformers serve` builds runs behind `RequestChecks`, serves token-id
-    prompts, samples as OpenAI's API defines (`serving_sampling`), and is stopped if its continuous-batching worker
+    prompts, samples as OpenAI's API defines (`sampling`), and is stopped if its continuous-batching worker
     dies (the yielded state says so afterwards). `batching`: the server is started with --continuous-batching.
 
     `transformers serve` builds its app, its `uvicorn.Config` and `uvicorn.Server` and its handlers inside one

@@ -4,7 +4,7 @@
 prompt, a prompt of 0 tokens), reads others in a way the OpenAI API does not define (a negative temperature served
 greedily, `n` ignored) and refuses token-id prompts that the API allows. Each function here returns the message of a
 400, or the request in the one form the server is then given. Plain functions of the parsed body and a tokenizer, so
-that `serving_hf` runs them off the event loop.
+that `server` runs them off the event loop.
 """
 
 from __future__ import annotations
