@@ -280,7 +280,7 @@ def test_trainer_and_lora_train_the_depth_weights_with_cross_layer_attention(tmp
 
 
 def test_the_model_card_names_the_baseline_and_the_shared_layers():
-    from resformer_hf.model_card import build_model_card
+    from resformer_hf.hub.model_card import build_model_card
 
     card = build_model_card(tiny_config("denseformer", cross_layer_attention=2)).content
     assert "**DenseFormer**" in card and "depth-weighted average" in card

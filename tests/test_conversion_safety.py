@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import resformer_hf.model_card as model_card
+import resformer_hf.hub.model_card as model_card
 from resformer_hf.cli.convert import main as convert_main
 from resformer_hf.cli.quickstart import main as quickstart_main
 from resformer_hf.text import sample_text, train_tokenizer
@@ -277,7 +277,7 @@ _STOP_WHEN_STAGED = textwrap.dedent(
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if our parent ignores Ctrl-C
     for name in ("torchao", "torch.utils._pytree"):  # as the command's start-up does (cli/startup.py)
         logging.getLogger(name).setLevel(logging.ERROR)
-    import resformer_hf.model_card as model_card
+    import resformer_hf.hub.model_card as model_card
 
     real = model_card.write_model_card
     def write_then_wait(*args, **kwargs):

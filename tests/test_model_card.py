@@ -15,7 +15,7 @@ import torch
 from huggingface_hub import ModelCard
 
 from resformer_hf import ResFormerForCausalLM
-from resformer_hf.model_card import TEMPLATE_NAME, build_model_card, write_model_card
+from resformer_hf.hub.model_card import TEMPLATE_NAME, build_model_card, write_model_card
 
 from helpers import tiny_config
 
@@ -124,9 +124,9 @@ def test_bad_arguments_say_what_to_pass():
 
 
 def test_package_template_is_the_repository_template():
-    assert (REPO_ROOT / "resformer_hf" / TEMPLATE_NAME).read_bytes() == (
+    assert (REPO_ROOT / "resformer_hf" / "hub" / TEMPLATE_NAME).read_bytes() == (
         REPO_ROOT / "model_cards" / "resformer.md"
-    ).read_bytes(), "copy model_cards/resformer.md to resformer_hf/model_card_template.md"
+    ).read_bytes(), "copy model_cards/resformer.md to resformer_hf/hub/model_card_template.md"
 
 
 def test_installed_wheel_renders_cards(tmp_path):
@@ -142,13 +142,13 @@ def test_installed_wheel_renders_cards(tmp_path):
                     str(source)], check=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     with zipfile.ZipFile(wheel) as archive:
-        shipped = archive.read(f"resformer_hf/{TEMPLATE_NAME}")
+        shipped = archive.read(f"resformer_hf/hub/{TEMPLATE_NAME}")
         assert shipped == (REPO_ROOT / "model_cards" / "resformer.md").read_bytes()
         # The quickstart's default training text ships too, with its credits.
         assert {"resformer_hf/data/sample_en.txt", "resformer_hf/data/README.md"} <= set(archive.namelist())
         archive.extractall(tmp_path / "site")
     script = (
-        "import resformer_hf, pathlib; from resformer_hf.model_card import build_model_card;"
+        "import resformer_hf, pathlib; from resformer_hf.hub.model_card import build_model_card;"
         "print(pathlib.Path(resformer_hf.__file__).parent);"
         "print(build_model_card(resformer_hf.ResFormerConfig(num_hidden_layers=2, hidden_size=32,"
         " intermediate_size=64, num_attention_heads=2, vocab_size=64)).data.pipeline_tag)"

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from resformer_hf import file_transaction, refresh_code
 from resformer_hf.cli.convert import main as convert_main
-from resformer_hf.hub import finish_hub_folder
+from resformer_hf.hub import file_transaction, finish_hub_folder, refresh_code
 from resformer_hf.registration import full_auto_map
 
 from helpers import model_with_random_lambdas, tiny_config

@@ -78,9 +78,10 @@ def test_package_metadata_readme_and_card_state_the_tested_range():
     assert supported_range() in requirements
     for text in ((REPO / "README.md").read_text(), (REPO / "docs" / "supported-releases.md").read_text(),
                  (REPO / "model_cards" / "resformer.md").read_text(),
-                 (Path(resformer_hf.__file__).parent / "model_card_template.md").read_text()):
+                 (Path(resformer_hf.__file__).parent / "hub" / "model_card_template.md").read_text()):
         assert f"`{supported_range()}`" in text
-    for card in (REPO / "model_cards" / "resformer.md", Path(resformer_hf.__file__).parent / "model_card_template.md"):
+    template = Path(resformer_hf.__file__).parent / "hub" / "model_card_template.md"
+    for card in (REPO / "model_cards" / "resformer.md", template):
         text = card.read_text()
         assert "pip install resformer-hf" not in text and "pypi.org/project/resformer-hf" not in text
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import resformer_hf
-from resformer_hf.model_card import build_model_card
+from resformer_hf.hub.model_card import build_model_card
 from resformer_hf.remote_code import configuration_resformer as registry
 
 from helpers import model_with_random_lambdas, tiny_config

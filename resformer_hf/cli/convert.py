@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..conversion import DTYPES, INITS, convert_llama_checkpoint
-from ..refresh_code import refresh_remote_code
+from ..hub.refresh_code import refresh_remote_code
 from ..remote_code.configuration_resformer import DEFAULT_CONVERSION_VARIANT, convertible_variants
 from .common import OneLineParser, add_debug_flag, run_command
 

@@ -23,12 +23,12 @@ import torch
 from safetensors import safe_open
 from transformers.dynamic_module_utils import custom_object_save
 
-from .errors import UserInputError
+from ..errors import UserInputError
+from ..registration import full_auto_map
+from ..remote_code.configuration_resformer import ResFormerConfig
+from ..remote_code.loading import check_value_projections
+from ..remote_code.modeling_resformer import ResFormerForCausalLM, ResFormerModel
 from .file_transaction import folder_lock, replace_files
-from .registration import full_auto_map
-from .remote_code.configuration_resformer import ResFormerConfig
-from .remote_code.loading import check_value_projections
-from .remote_code.modeling_resformer import ResFormerForCausalLM, ResFormerModel
 
 # Modules that import nothing of their own are renamed into place first, the entry points (config, modeling) last.
 _ENTRY_MODULES = ("configuration_resformer.py", "modeling_resformer.py")

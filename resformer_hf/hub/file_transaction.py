@@ -27,7 +27,7 @@ import shutil
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from .errors import UserInputError
+from ..errors import UserInputError
 
 try:  # POSIX; elsewhere runs are not protected against a concurrent run in the same folder
     import fcntl

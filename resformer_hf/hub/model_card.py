@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from huggingface_hub import ModelCard, ModelCardData
 
-from .remote_code.configuration_resformer import ResFormerConfig
-from .remote_code.value_residual import ValueResidual
+from ..remote_code.configuration_resformer import ResFormerConfig
+from ..remote_code.value_residual import ValueResidual
 
 #: Name of the template inside the package; `model_cards/resformer.md` in the repository is the same file.
 TEMPLATE_NAME = "model_card_template.md"
@@ -149,7 +149,7 @@ def build_model_card(
         license_text = "not stated here; the base model's licence applies"
     else:
         license_text = "not stated"
-    from . import __version__  # late: the package imports this module's siblings first
+    from .. import __version__  # late: the package imports this module's siblings first
 
     return ModelCard.from_template(
         card_data,

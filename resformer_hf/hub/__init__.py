@@ -22,11 +22,11 @@ from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
 from transformers import GenerationConfig
 from transformers.dynamic_module_utils import custom_object_save
 
+from ..registration import full_auto_map
+from ..remote_code.configuration_resformer import ResFormerConfig
+from ..remote_code.modeling_resformer import ResFormerForCausalLM, ResFormerPreTrainedModel
 from . import model_card
 from .refresh_code import refresh_remote_code
-from .registration import full_auto_map
-from .remote_code.configuration_resformer import ResFormerConfig
-from .remote_code.modeling_resformer import ResFormerForCausalLM, ResFormerPreTrainedModel
 
 #: How a folder's model samples where its generation_config leaves `do_sample` unset: OpenAI's defaults (temperature
 #: 1, the whole distribution: no top-k, no nucleus). Left unset, each reader fills it in its own way: `generate()` and
