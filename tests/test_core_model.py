@@ -170,6 +170,18 @@ def test_a_model_built_under_a_device_context_holds_every_tensor_there(variant):
     assert not elsewhere
 
 
+def test_a_model_built_with_empty_weights_but_real_buffers_has_no_buffer_on_meta(variant):
+    """vLLM's Transformers backend builds the model with parameters on meta and buffers where they are made
+    (`init_empty_weights(include_buffers=False)`), then loads only the parameters: a buffer made beside a meta
+    parameter stays meta for good (DenseFormer's were, and vLLM failed 'Tensor on device meta')."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = ResFormerForCausalLM(tiny_config(variant))
+    on_meta = [name for name, buffer in model.named_buffers() if buffer.device.type == "meta"]
+    assert not on_meta
+
+
 def test_lambda_parameter_names_contain_value_residual_and_weights_keep_llama_names():
     model = ResFormerForCausalLM(tiny_config("learnable_plus"))
     llama_names = set(LlamaForCausalLM(LlamaConfig(**TINY)).state_dict())
