@@ -8,7 +8,7 @@ from .cli import startup  # noqa: F401  (first, stdlib only: Ctrl-C while a comm
 # isort: split
 from .cache_accounting import cache_nbytes
 from .conversion import ConversionError, ConversionReport, convert_llama_checkpoint
-from .paged_cache import install as install_paged_cache
+from .integrations.paged_cache import install as install_paged_cache
 from .registration import register_auto_classes
 from .remote_code.configuration_resformer import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
 from .remote_code.modeling_resformer import (

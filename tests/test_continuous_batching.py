@@ -2,7 +2,7 @@
 tokens for every variant, λ moved off their initial values, prompts of mixed lengths in one batch; a Llama of the
 same shape is the control. Runs on the oldest supported transformers too (README, "Run the tests").
 
-The paged cache gives pages only to the layers that store keys or values (`resformer_hf.paged_cache`): SVFormer's
+The paged cache gives pages only to the layers that store keys or values (`integrations/paged_cache.py`): SVFormer's
 values once, cross-layer attention's K and V once per group, both combined. Their tokens are checked with pages of 8
 tokens too, so requests span many blocks, and their bytes per cached token exactly, against a Llama's.
 
@@ -19,7 +19,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaForCau
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 
-from resformer_hf.paged_cache import StoredKeysValuesAllocator
+from resformer_hf.integrations.paged_cache import StoredKeysValuesAllocator
 from resformer_hf.remote_code.configuration_resformer import VARIANTS
 
 from helpers import llama_config_like, randomised_model, tiny_config

@@ -85,20 +85,21 @@ def test_no_module_of_the_package_or_the_benchmarks_exceeds_450_lines():
 
 
 def test_vllm_plugin_entry_imports_vllm_only_when_called():
-    """vLLM loads `resformer_hf.vllm_plugin:register` (setup.cfg's `vllm.general_plugins`) in every process it starts.
-    vLLM imports live only under `resformer_hf/vllm_plugin/`, whose `__init__` imports vLLM inside `register()` only,
-    so the plugin package imports where vLLM is not installed (as in this environment)."""
+    """vLLM loads `resformer_hf.integrations.vllm_plugin:register` (setup.cfg's `vllm.general_plugins`) in every
+    process it starts. vLLM imports live only under `integrations/vllm_plugin/`, whose `__init__` imports vLLM inside
+    `register()` only, so the plugin package imports where vLLM is not installed (as in this environment)."""
     import configparser
 
     entry = configparser.ConfigParser()
     entry.read(PACKAGE.parent / "setup.cfg")
     plugins = entry["options.entry_points"]["vllm.general_plugins"].split()
-    assert plugins == ["resformer", "=", "resformer_hf.vllm_plugin:register"], plugins
-    top_level = [node for node in ast.parse((PACKAGE / "vllm_plugin" / "__init__.py").read_text()).body
+    assert plugins == ["resformer", "=", "resformer_hf.integrations.vllm_plugin:register"], plugins
+    entry_module = PACKAGE / "integrations" / "vllm_plugin" / "__init__.py"
+    top_level = [node for node in ast.parse(entry_module.read_text()).body
                  if isinstance(node, ast.Import | ast.ImportFrom)]
     assert all(not (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).startswith("vllm")
                for node in top_level)
-    assert callable(__import__("resformer_hf.vllm_plugin", fromlist=["register"]).register)
+    assert callable(__import__("resformer_hf.integrations.vllm_plugin", fromlist=["register"]).register)
     outside = [str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                if any(module.partition(".")[0] == "vllm" for level, module in _imports(path) if level == 0)]
-    assert sorted(outside) == ["vllm_plugin/__init__.py", "vllm_plugin/attention.py", "vllm_plugin/model.py"], outside
+    assert sorted(outside) == [f"integrations/vllm_plugin/{name}.py" for name in ("__init__", "attention", "model")]

@@ -1,7 +1,7 @@
 """Serving with vLLM's Transformers modeling backend (`trust_remote_code=True`): greedy tokens from vLLM equal
 `generate()`'s, offline (`LLM`) and from the OpenAI-compatible server, with the plugin installed (its vLLM model,
-`resformer_hf.vllm_plugin`, serves: an SVFormer stores its values once) and from a folder's remote code alone
-(`model_impl="transformers"`).
+`resformer_hf.integrations.vllm_plugin`, serves: an SVFormer stores its values once) and from a folder's remote code
+alone (`model_impl="transformers"`).
 
 vLLM pins its own transformers, so these tests run in their own virtualenv (`.ci/serving`); elsewhere they skip. Every
 vLLM engine runs in a fresh interpreter (`vllm_serving.py`); the reference tokens come from `generate()` in this
@@ -136,10 +136,10 @@ def test_references_depend_on_lambda(served):
 
 def test_offline_with_plugin(served, tmp_path):
     """With the plugin installed, vLLM's default `model_impl="auto"` serves ResFormer folders with the plugin's
-    model (`resformer_hf.vllm_plugin`): learnable_plus, SVFormer and a converted Llama (SVFormer, paper λ) give
-    `generate()`'s greedy tokens, and an SVFormer keeps (L+1)/(2L) of the Llama's KV cache bytes per token (keys
-    per layer, layer 0's values once), so the same cache memory holds 2L/(L+1) times the tokens. The Llama (control)
-    serves with the Transformers backend, as in the remote-code tests."""
+    model (`resformer_hf.integrations.vllm_plugin`): learnable_plus, SVFormer and a converted Llama (SVFormer, paper
+    λ) give `generate()`'s greedy tokens, and an SVFormer keeps (L+1)/(2L) of the Llama's KV cache bytes per token
+    (keys per layer, layer 0's values once), so the same cache memory holds 2L/(L+1) times the tokens. The Llama
+    (control) serves with the Transformers backend, as in the remote-code tests."""
     names = ("llama", *SERVED, "converted_svformer")
     job = engine_job(served, names, import_plugin=True)
     for run in job["runs"]:
@@ -151,7 +151,7 @@ def test_offline_with_plugin(served, tmp_path):
         probe = results[name]["probe"]
         assert probe["plugin_importable"], probe
         if name != "llama":  # the plugin's vLLM model, running the plugin's modeling code
-            assert probe["served_class"] == "resformer_hf.vllm_plugin.model.ResFormerForCausalLM", probe
+            assert probe["served_class"] == "resformer_hf.integrations.vllm_plugin.model.ResFormerForCausalLM", probe
             assert probe["model_class"] == "resformer_hf.remote_code.modeling_resformer.ResFormerModel", probe
         assert len(probe["attention_layers"]) == layers
         assert all(layer["num_kv_heads"] == TINY["num_key_value_heads"] and layer["head_size"] == 32
@@ -192,7 +192,7 @@ def test_offline_cross_layer_attention_with_plugin(served, tmp_path):
     layers, kv_heads = TINY["num_hidden_layers"], TINY["num_key_value_heads"]
     for name in CLA:
         probe = results[name]["probe"]
-        assert probe["served_class"] == "resformer_hf.vllm_plugin.model.ResFormerForCausalLM", probe
+        assert probe["served_class"] == "resformer_hf.integrations.vllm_plugin.model.ResFormerForCausalLM", probe
         attention = probe["attention_layers"]
         targets = [layer["kv_sharing_target"] for layer in attention]
         assert targets == [None, attention[0]["layer_name"], None, attention[2]["layer_name"]], targets

@@ -25,7 +25,7 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 
 import resformer_hf
-from resformer_hf.paged_cache import StoredKeysValuesAllocator
+from resformer_hf.integrations.paged_cache import StoredKeysValuesAllocator
 
 from benchmarks import common
 from benchmarks.common import BASELINE, RESULTS_DIR, add_device_args, build_model, setup_device
@@ -129,9 +129,9 @@ def main() -> None:
         "allocator (`FullAttentionCacheAllocator`) gives every layer its own key and value pages, so SVFormer's "
         "layers n >= 1 would store copies of layer 0's values and cross-layer attention's consumers pages they "
         "never need; "
-        "`import resformer_hf` replaces it with `resformer_hf.paged_cache.StoredKeysValuesAllocator`, which gives "
-        "pages only to the layers that store keys or values (the stock layout for any other model). The engine "
-        "sizes a cache of `num_blocks` in Llama-sized blocks, so one budget holds the inverse ratio of tokens.",
+        "`import resformer_hf` replaces it with `resformer_hf.integrations.paged_cache.StoredKeysValuesAllocator`, "
+        "which gives pages only to the layers that store keys or values (the stock layout for any other model). The "
+        "engine sizes a cache of `num_blocks` in Llama-sized blocks, so one budget holds the inverse ratio of tokens.",
         "",
     ])
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,9 @@
 size, in the same run.
 
 The Llamas serve with vLLM's Transformers modeling backend (`model_impl="transformers"`); the ResFormers with this
-plugin's vLLM model (`resformer_hf.vllm_plugin`, picked by vLLM's default `model_impl="auto"`), which is the same
-backend, stores an SVFormer's values once (keys per layer, layer 0's values in one store) and gives cross-layer
-attention's consumer layers their producer's cache (vLLM's own cross-layer KV sharing).
+plugin's vLLM model (`resformer_hf.integrations.vllm_plugin`, picked by vLLM's default `model_impl="auto"`), which is
+the same backend, stores an SVFormer's values once (keys per layer, layer 0's values in one store) and gives
+cross-layer attention's consumer layers their producer's cache (vLLM's own cross-layer KV sharing).
 
 Needs vLLM (docs/serving.md); run it in that virtualenv from the repository root:
 
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from resformer_hf.vllm_plugin import register
+    from resformer_hf.integrations.vllm_plugin import register
 
     from benchmarks.common import environment_line, markdown_table
 
