@@ -203,9 +203,7 @@ class DepthWeightedAverage(ExactBuffers):
         super().__init__()
         self.dilation = dilation
         self.weight_offset = nn.Parameter(torch.zeros(num_layers, num_layers + 1, dtype=torch.float32))
-        initial, mask = self.initial_buffers(torch.get_default_device())
-        self.register_buffer("initial", initial, persistent=False)  # rebuilt by `_init_weights` after a meta build
-        self.register_buffer("mask", mask, persistent=False)
+        self.register_exact_buffers()
 
     @classmethod
     def for_config(cls, config) -> DepthWeightedAverage | None:

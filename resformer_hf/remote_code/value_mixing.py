@@ -124,13 +124,13 @@ class _ProjectAndMix(torch.autograd.Function):
             first_weight, own_weight = ctx.lambdas
             scaled = grad if own_weight == 1.0 else grad * own_weight
             grad_first = scaled if first_weight == own_weight else grad if first_weight == 1.0 else grad * first_weight
-        elif kernels_usable(grad, first, *lambdas):  # both products and λ_first's dot in one pass
-            first_weight, own_weight = lambdas
-            grad_first, scaled, grad_first_weight = mix_backward(grad, first, first_weight, own_weight)
         else:
             first_weight, own_weight = lambdas
-            both = grad * _column(first_weight, own_weight)  # λ_first·dV' and λ_self·dV' in one pass over dV'
-            grad_first, scaled = both.unbind()
+            if kernels_usable(grad, first, first_weight, own_weight):  # both products and λ_first's dot in one pass
+                grad_first, scaled, grad_first_weight = mix_backward(grad, first, first_weight, own_weight)
+            else:
+                both = grad * _column(first_weight, own_weight)  # λ_first·dV' and λ_self·dV' in one pass over dV'
+                grad_first, scaled = both.unbind()
         if need_hidden:
             grad_hidden = scaled.mm(weight)
         if need_bias and bias is not None:

@@ -47,6 +47,14 @@ class ExactBuffers(nn.Module):
     after every `_apply` (`.to()`, `.bfloat16()`, DeepSpeed's casts), which would otherwise round them (bf16 holds 0.4
     as 0.4004)."""
 
+    def register_exact_buffers(self) -> None:
+        """Make the buffers, non-persistent like Llama's rotary `inv_freq`, on the default device: where parameters are
+        made too (`with torch.device("cuda")` puts both there; vLLM's build puts parameters on meta and buffers on the
+        CPU). They follow `.to()` and device maps, and `_init_weights` rebuilds them after a meta build."""
+        initial, mask = self.initial_buffers(torch.get_default_device())
+        self.register_buffer("initial", initial, persistent=False)
+        self.register_buffer("mask", mask, persistent=False)
+
     def exact_buffers(self) -> dict[str, torch.Tensor]:
         """The buffers made anew where they are, by name: float32, or float64 in a model cast to it."""
         dtype = torch.promote_types(self.initial.dtype, torch.float32)
@@ -92,12 +100,7 @@ class ValueResidual(ExactBuffers):
         elif self.parameterisation == DENSE:
             # Row r: offsets of receiver r's weights on the raw values V_0 .. V_{L-1}; columns after it unused.
             self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers, dtype=torch.float32))
-        initial, mask = self.initial_buffers(torch.get_default_device())
-        # Non-persistent, like Llama's rotary `inv_freq`: made where the parameters are (`with torch.device("cuda")`
-        # builds both there), they follow `.to()` and device maps, and `_init_weights` rebuilds them after a meta
-        # build.
-        self.register_buffer("initial", initial, persistent=False)
-        self.register_buffer("mask", mask, persistent=False)
+        self.register_exact_buffers()
         #: (the λ offsets read as numbers, the mixes built from them), reused while the offsets read the same
         self._numeric: tuple[tuple, tuple[LayerMix, ...]] | None = None
 
