@@ -504,8 +504,8 @@ def compiled_step_peak_bytes(model, input_ids) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["identity", "learnable_plus", "dense"])
 def test_compiled_training_step_peaks_at_llamas_memory(variant):
-    """Under torch.compile the mix is plain ops the partitioner sees through (`value_mixing.project_and_mix`): with the
-    eager path's autograd function instead, `identity` peaked 2.9% and `learnable_plus` 4.2% above a compiled Llama
+    """Under torch.compile the mix is plain ops the partitioner sees through (`value_residual.project_and_mix`): with
+    the eager path's autograd function instead, `identity` peaked 2.9% and `learnable_plus` 4.2% above a compiled Llama
     here (an H200 measured `identity` at 1.026 at 134M parameters). A learnable λ_first keeps one values tensor for
     its gradient."""
     size = dict(TINY, hidden_size=64, intermediate_size=128, num_key_value_heads=4, max_position_embeddings=512)

@@ -1,9 +1,9 @@
 """Decoding costs what Llama's does: the no-grad mix, its dispatches per decode step on the CPU (views included:
 each costs instructions; `test_kernel_budgets.py` counts a GPU's kernels), and its exactness.
 
-Without a gradient the value residual mixes on v_proj's output (`value_paths.py`) instead of through the
-fused training functions. Op counts are exact and independent of machine load, so they are asserted here; the time
-they cost is measured only in `benchmarks/cost/bench_decode.py`.
+Without a gradient the value residual mixes on v_proj's output (`value_residual.py` and the baselines' files) instead
+of through the fused training functions. Op counts are exact and independent of machine load, so they are asserted
+here; the time they cost is measured only in `benchmarks/cost/bench_decode.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 from resformer_hf.remote_code._compat import with_cache
 from resformer_hf.remote_code.cache_resformer import share_first_layer_values
 from resformer_hf.remote_code.configuration_resformer import CORRECT, GATE, MIX_ALL, REUSE, VARIANTS
-from resformer_hf.remote_code.value_paths import BATCHED_SCALING_MAX_TOKENS
+from resformer_hf.remote_code.value_residual import BATCHED_SCALING_MAX_TOKENS
 
 from helpers import NON_DEFAULT, decode_logits, llama_config_like, model_with_random_lambdas, tiny_config
 from reference import reference_logits

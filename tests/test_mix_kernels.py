@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from resformer_hf.remote_code import mix_kernels, value_mixing
-from resformer_hf.remote_code.value_mixing import _ProjectAndMix
+from resformer_hf.remote_code import mix_kernels, value_residual
+from resformer_hf.remote_code.value_residual import _ProjectAndMix
 
 pytest.importorskip("triton")
 
@@ -28,7 +28,7 @@ def interpreted(monkeypatch):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("TRITON_INTERPRET is not 1: these run the kernels on CPU tensors")
     mix_kernels._kernels.cache_clear()
-    monkeypatch.setattr(value_mixing, "kernels_usable", lambda *tensors: all(t.is_contiguous() for t in tensors))
+    monkeypatch.setattr(value_residual, "kernels_usable", lambda *tensors: all(t.is_contiguous() for t in tensors))
     yield
     mix_kernels._kernels.cache_clear()
 
@@ -88,7 +88,7 @@ def test_project_and_mix_through_the_kernels_matches_the_torch_ops(interpreted, 
         return (mixed, *torch.autograd.grad(mixed, tuple(leaves.values()), upstream.to(dtype)))
 
     kernels = run(torch.bfloat16)
-    monkeypatch.setattr(value_mixing, "kernels_usable", lambda *tensors: False)
+    monkeypatch.setattr(value_residual, "kernels_usable", lambda *tensors: False)
     plain, reference = run(torch.bfloat16), run(torch.float64)
     for name, with_kernels, with_ops, exact in zip(("mix", *inputs), kernels, plain, reference):
         error = ((with_kernels.double() - exact).norm() / exact.norm()).item()
@@ -119,11 +119,11 @@ def test_a_training_step_through_the_kernels_gives_the_torch_ops_gradients(inter
         return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
     calls = []
-    usable = value_mixing.kernels_usable
-    monkeypatch.setattr(value_mixing, "kernels_usable", lambda *tensors: calls.append(usable(*tensors)) or calls[-1])
+    usable = value_residual.kernels_usable
+    monkeypatch.setattr(value_residual, "kernels_usable", lambda *tensors: calls.append(usable(*tensors)) or calls[-1])
     with_kernels = gradients()
     assert any(calls)  # forward and backward ran through the kernels
-    monkeypatch.setattr(value_mixing, "kernels_usable", lambda *tensors: False)
+    monkeypatch.setattr(value_residual, "kernels_usable", lambda *tensors: False)
     with_ops = gradients()
     for name, grad in with_ops.items():
         error = ((with_kernels[name] - grad).norm() / grad.norm()).item()

@@ -15,16 +15,10 @@ from torch.autograd import gradcheck
 from torch.func import functional_call
 
 from resformer_hf.remote_code.depth_weighted_average import dense_values
-from resformer_hf.remote_code.value_mixing import (
-    ValueGate,
-    corrected_output_projection,
-    gated_values,
-    is_plain_linear,
-    mix_values,
-    neutreno_correction,
-    project_and_gate,
-    project_and_mix,
-)
+from resformer_hf.remote_code.neutreno import corrected_output_projection, neutreno_correction
+from resformer_hf.remote_code.projections import is_plain_linear
+from resformer_hf.remote_code.value_gate import ValueGate, gated_values, project_and_gate
+from resformer_hf.remote_code.value_residual import mix_values, project_and_mix
 
 BATCH, LENGTH, HIDDEN, HEAD_DIM = 2, 5, 12, 3
 F64 = {"dtype": torch.float64}

@@ -156,9 +156,9 @@ def write_report(results: list[dict], args, device: torch.device) -> str:
         "the variant's). Ops: aten ops one eager decode step dispatches beyond Llama's (batch 1, exact). "
         f"Vocab {args.vocab_size}, head dim {args.head_dim}, {args.dtype}, no gradient.",
         "",
-        "Without a gradient the mix runs on v_proj's output (`resformer_hf/remote_code/value_paths.py`): "
+        "Without a gradient the mix runs on v_proj's output (`resformer_hf/remote_code/value_residual.py`): "
         "λ are resolved once per forward pass for all layers and each mixing layer adds one fused op (`dense` three, "
-        "NeuTRENO two), never touching a weight; training keeps the fused functions of `value_mixing.py`.",
+        "NeuTRENO two), never touching a weight; training keeps the fused autograd functions.",
     ]
     for result in results:
         hidden, layers, batch = result["hidden"], result["layers"], result["batch"]

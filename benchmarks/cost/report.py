@@ -14,7 +14,8 @@ from benchmarks.cost.settings import CONTROL, METRICS, goal
 
 #: How the value residual stays at Llama's cost; quoted in cost.md and the README block this script writes.
 HOW = (
-    "The mix keeps no tensor beyond Llama's (`resformer_hf/remote_code/value_mixing.py`): a mixing layer's v_proj and"
+    "The mix keeps no tensor beyond Llama's (`resformer_hf/remote_code/value_residual.py`): a mixing layer's v_proj"
+    " and"
     " the mix run as one GEMM (`V' = a·V_0 + h(b·W)ᵀ`) whose custom backward saves only h, W and V_0, which q/k_proj "
     "and layer 0 keep anyway, and gets λ_self's gradient `<dV', V_n> = <dV'ᵀh, W>` exactly from the product the "
     "weight gradient needs anyway; `dense` keeps every layer's raw values once, in one buffer whose prefixes are the "
@@ -23,7 +24,7 @@ HOW = (
     'quantised, tensor parallel, hooked or offloaded) the plain ops run and keep one extra `[B, H_kv, T, D]` tensor '
     'per layer. Train with `use_cache=False`: otherwise transformers builds a KV cache in training too, attention '
     "keeps the cache's copies of the values (Llama as well), and V_0 is then kept once more. Without gradient "
-    "(`resformer_hf/remote_code/value_paths.py`) λ are Python numbers and a mixing layer's v_proj and mix are one "
+    "(`resformer_hf/remote_code/value_residual.py`) λ are Python numbers and a mixing layer's v_proj and mix are one "
     "`addmm(V_0, h, Wᵀ, beta=λ_first, alpha=λ_self)`, where Llama has its linear: no op per layer beyond Llama's."
 )
 

@@ -240,7 +240,7 @@ class ResFormerConfig(LlamaConfig):
 
     `"gated"`: layer n attends over `V_n + g·(V_0 − V_n)`, `g = g0 − 0.5 + σ(W_g h + b_g)` per token and kv head from
     its normalised input h, with `self_attn.value_gate` (W_g, b_g) zero at first: a fresh model starts as `"identity"`
-    (`g0 = 0.5`), `g0 = 0` exactly as a model without residual, gates learning at once (why: `value_mixing.ValueGate`).
+    (`g0 = 0.5`), `g0 = 0` exactly as a model without residual, gates learning at once (why: `value_gate.ValueGate`).
 
     Args:
         value_residual (`str`, *optional*, defaults to `"learnable_plus"`):

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .value_mixing import heads_view, token_major
-from .value_residual import ExactBuffers, readable_as_numbers
+from .configuration_resformer import MIX_ALL
+from .projections import heads_view, own_values, token_major
+from .value_residual import ExactBuffers, ValuePath, ValueStep, readable_as_numbers
 
 # ---- one buffer of earlier tensors, one matrix-vector product a layer -----------------------------------------------
 
@@ -192,6 +193,39 @@ def dense_values(
     return values, (grown if append else earlier)
 
 
+class DenseValues(ValuePath):
+    """`dense`: a layer whose raw values later layers read appends them to the stack; a receiving layer attends over
+    `Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n`. The path of every layer up to the last receiver.
+
+    With a gradient the raw values are kept once, in one buffer shared by all layers (`dense_values`). Without one,
+    layer 0 starts one running mix `Σ_j W[r, j]·V_j` per receiver r, which each later layer updates in place with its
+    own values (`dense`'s λ are always tensors).
+    """
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__(config, layer_idx)
+        receivers = config.value_residual_receivers
+        self.mixes = config.value_residual_layer_roles[layer_idx] == MIX_ALL
+        self.rows = max(receivers, default=0)  #: rows of the value buffer: one per layer up to the last reader
+        self.appends = layer_idx < self.rows
+        self.row = receivers.index(layer_idx) if self.mixes else -1
+
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        own = own_values(attention.v_proj, hidden_states, self.head_dim)
+        values, residual_values = dense_values(own, residual_values, lambda_first, self.layer_idx, self.rows,
+                                               mix=self.mixes, append=self.appends)
+        return values, residual_values, own
+
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        own = own_values(attention.v_proj, hidden_states, self.head_dim)
+        if self.layer_idx == 0:  # one running mix per receiver, from the whole [R, L] table
+            columns = lambda_first.to(own.dtype).view(*lambda_first.shape, 1, 1, 1, 1).unbind(1)
+            return own, (own * columns[0], columns), own
+        mixes, columns = residual_values
+        mixes = mixes.addcmul_(columns[self.layer_idx], own)  # made by layer 0 in this pass: in place keeps one copy
+        return (mixes[self.row] if self.mixes else own), (mixes, columns), own
+
+
 # ---- DenseFormer ----------------------------------------------------------------------------------------------------
 
 
@@ -272,4 +306,4 @@ class NumericDepthStream:
         return average
 
 
-__all__ = ["DepthStream", "DepthWeightedAverage", "NumericDepthStream"]
+__all__ = ["DenseValues", "DepthStream", "DepthWeightedAverage", "NumericDepthStream"]

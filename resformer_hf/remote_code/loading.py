@@ -11,6 +11,7 @@ import re
 
 import torch
 from torch import nn
+from transformers.core_model_loading import ConversionOps, WeightConverter
 
 from .configuration_resformer import GATE, VARIANTS, ResFormerConfig
 
@@ -107,6 +108,33 @@ class CheckpointChecks:
         check_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
         check_value_gates(self.config, loading_info.unexpected_keys)
         check_lambdas_are_finite(self.base_model.value_residual)
+
+
+class LambdaScaleToVector(ConversionOps):
+    """Checkpoint conversion: a λ_scale offset saved as a 0-dim scalar becomes the shape-[1] parameter, same value.
+
+    A 1-D tensor passes unchanged, so saving (this op again, as its own reverse) writes the new layout. Sharded
+    loading (FSDP2) hands a 0-dim tensor to the rank that owns its one slice; the others get an empty list.
+    """
+
+    @torch.no_grad()
+    def convert(self, input_dict: dict, source_patterns: list[str], target_patterns: list[str], **kwargs) -> dict:
+        (tensors,) = input_dict.values()
+        tensors = tensors if isinstance(tensors, list) else [tensors]
+        local = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.float32)
+        return {target_patterns[0]: local}
+
+    @property
+    def reverse_op(self) -> ConversionOps:
+        return self
+
+
+#: Weight conversions `from_pretrained` applies to a ResFormer checkpoint (registered for the model type).
+LAMBDA_CHECKPOINT_CONVERSIONS = [
+    WeightConverter(
+        "value_residual.lambda_scale_offset", "value_residual.lambda_scale_offset", [LambdaScaleToVector()]
+    )
+]
 
 
 _PROJECTION_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(\w+)\.")

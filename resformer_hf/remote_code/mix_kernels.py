@@ -7,7 +7,7 @@ numbers would wait for the GPU every step). On an H200 that loop was 1.35 of the
 in place on v_proj's output (one pass, where `mul_` + `addcmul_` made two), the backward's two scaled gradients and
 λ_first's dot in one pass over dV' and V_0 (where a broadcast multiply and a dot made two).
 
-Used for contiguous CUDA tensors only (`kernels_usable`), once checked on the device; `value_mixing._ProjectAndMix`'s
+Used for contiguous CUDA tensors only (`kernels_usable`), once checked on the device; `value_residual._ProjectAndMix`'s
 torch ops are the reference and every other device's path, and `tests/test_mix_kernels.py` holds these to them on the
 CPU under Triton's interpreter (`TRITON_INTERPRET=1`). Triton is optional (CUDA builds of torch bring it): without it
 the torch ops run.

@@ -2,8 +2,8 @@
 
 Built from Llama's own blocks (MLP, RMSNorm, rotary embedding, attention interface, masks, heads); only the
 attention and the decoder loop change, to carry layer 0's values to later layers. What a layer does with values is
-its value path's (`value_paths.py`), the λ are `value_residual.py`'s. This file is copied next to `config.json` for
-`trust_remote_code` loading, so it imports only torch, transformers and its sibling files.
+its value path's (`value_paths.py` picks it), the λ are `value_residual.py`'s. Copied next to `config.json` for
+`trust_remote_code`, so it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
@@ -56,12 +56,13 @@ from .cache_resformer import new_dynamic_cache, share_cache_storage
 from .configuration_resformer import ResFormerConfig
 from .cross_layer_kv import share_key_value_projections, shared_keys_values_queries
 from .depth_weighted_average import DepthWeightedAverage
-from .loading import CheckpointChecks, modules_kept_in_float32
-from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, is_pipeline_stage
+from .loading import LAMBDA_CHECKPOINT_CONVERSIONS, CheckpointChecks, modules_kept_in_float32
+from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, gathered_parameters, is_pipeline_stage
 from .peft_support import register_peft_target_modules
-from .value_mixing import ValueGate, compute_dtype
-from .value_paths import needs_value_gradients, value_path_for
-from .value_residual import LAMBDA_CHECKPOINT_CONVERSIONS, ValueResidual, gathered_parameters
+from .projections import compute_dtype
+from .value_gate import ValueGate
+from .value_paths import value_path_for
+from .value_residual import ValueResidual, needs_value_gradients
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)

@@ -9,6 +9,10 @@ transformers and its sibling files.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -19,9 +23,10 @@ try:  # transformers' pipeline stages put this placeholder where a layer lives o
 except ImportError:
     PipelineIdentityLayer = ()
 if torch.distributed.is_available():
+    from torch.distributed.tensor import DTensor
     from transformers.distributed.tensor_parallel import TensorParallelLayer
-else:  # no torch.distributed, no tensor parallelism
-    TensorParallelLayer = object
+else:  # no torch.distributed: no tensor parallelism, no sharded tensors
+    DTensor, TensorParallelLayer = (), object
 
 PIPELINE_PARALLEL_UNSUPPORTED = (
     "ResFormer does not support pipeline parallelism (pp_size > 1): every layer n >= 1 mixes in layer 0's values V_0 "
@@ -138,3 +143,22 @@ class ParallelismHooks:
         if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
             gather_in_float32(model.base_model.value_residual)
         return model
+
+
+@contextlib.contextmanager
+def gathered_parameters(module: nn.Module) -> Iterator[None]:
+    """Within the block, `module`'s own parameters are whole on every rank, whichever engine sharded them (FSDP2
+    DTensors swapped for their full tensors, ZeRO-3 partitions gathered). A collective: every rank must enter it.
+    Read-only: changes are lost."""
+    parameters = dict(module.named_parameters(recurse=False))
+    partitioned = [parameter for parameter in parameters.values() if hasattr(parameter, "ds_id")]
+    # A `ds_id` means DeepSpeed partitioned them, so it is imported; looked up, as remote code imports only torch
+    # and transformers.
+    gather = sys.modules["deepspeed"].zero.GatheredParameters(partitioned) if partitioned else contextlib.nullcontext()
+    with gather:
+        sharded = {name: parameter for name, parameter in parameters.items() if isinstance(parameter, DTensor)}
+        module._parameters.update({name: nn.Parameter(p.detach().full_tensor(), False) for name, p in sharded.items()})
+        try:
+            yield
+        finally:
+            module._parameters.update(sharded)

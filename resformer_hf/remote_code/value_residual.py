@@ -1,41 +1,37 @@
-"""The λ of the value residual: one module holds them all and turns them into one table per forward pass.
+"""ResFormer's value residual: a receiving layer attends over `V' = λ_first·V_0 + λ_self·V_n`.
 
-Which layers receive V_0 and how their λ are parameterised is the variant registry's (`VARIANTS` in
-`configuration_resformer.py`); what a layer does with its row of the table is its value path's (`value_paths.py`).
-Imports only torch and transformers (copied for `trust_remote_code`).
+Here are the λ (one module for the model, one table per forward pass) and the value paths of the paper's ResFormer
+variants and SVFormer: what each layer attends over and hands on to later layers. The baselines' paths are in
+`neutreno.py`, `value_gate.py` and `depth_weighted_average.py`; `value_paths.py` picks a layer's path by its role.
+Imports only torch, transformers and sibling files (copied for `trust_remote_code`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import nn
-from transformers.core_model_loading import ConversionOps, WeightConverter  # 5.23's checkpoint-conversion API
+from torch.nn import functional as F
 
-from .configuration_resformer import CORRECT, DENSE, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
+from .configuration_resformer import CORRECT, DENSE, FIXED, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
+from .mix_kernels import kernels_usable, mix_backward, mix_in_place
+from .parallelism import gathered_parameters
+from .projections import compute_dtype, flat_values, is_plain_linear, own_values, plain_linear_weight, token_major
 
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor
-else:  # builds without torch.distributed have no sharded tensors
-    DTensor = ()
+# ---- the λ ----------------------------------------------------------------------------------------------------------
 
 
 class LayerMix(NamedTuple):
-    """One layer's λ in a pass without gradient: Python numbers where they read for free (`readable_as_numbers`), else
-    tensors. For a receiver with λ as tensors, `lambda_first` is every receiver's λ_first as a [R, 1, 1, 1, 1] column
-    (layer 0 scales V_0 for all of them at once) and `lambda_self` its own 0-dim λ_self; `dense` hands its [R, L]
-    weights to layer 0 instead."""
+    """One layer's λ without gradient: numbers (`readable_as_numbers`), or tensors: every receiver's λ_first as an
+    [R, 1, 1, 1, 1] column (layer 0 scales V_0 for all at once) and the layer's 0-dim λ_self; `dense`'s [R, L]."""
 
     lambda_first: float | torch.Tensor
     lambda_self: float | torch.Tensor
 
 
 def readable_as_numbers(module: nn.Module) -> bool:
-    """Whether `module`'s parameters can be read as Python numbers for free: eager, on the CPU, not sharded."""
+    """Whether `module`'s parameters read as Python numbers for free: eager, on the CPU, not sharded."""
     if torch.compiler.is_compiling():
         return False
     return all(type(p) is nn.Parameter and p.device.type == "cpu" and not hasattr(p, "ds_id")
@@ -43,20 +39,17 @@ def readable_as_numbers(module: nn.Module) -> bool:
 
 
 class ExactBuffers(nn.Module):
-    """A module whose buffers `initial` and `mask` hold exact float32 constants (`initial_buffers`): they are made anew
-    after every `_apply` (`.to()`, `.bfloat16()`, DeepSpeed's casts), which would otherwise round them (bf16 holds 0.4
-    as 0.4004)."""
+    """A module whose buffers `initial` and `mask` are exact float32 constants, made anew after every `_apply`
+    (`.to()`, `.bfloat16()`, DeepSpeed's casts), which would round them (bf16 holds 0.4 as 0.4004)."""
 
     def register_exact_buffers(self) -> None:
-        """Make the buffers, non-persistent like Llama's rotary `inv_freq`, on the default device: where parameters are
-        made too (`with torch.device("cuda")` puts both there; vLLM's build puts parameters on meta and buffers on the
-        CPU). They follow `.to()` and device maps, and `_init_weights` rebuilds them after a meta build."""
+        """Non-persistent (like Llama's `inv_freq`), on the default device, as parameters (vLLM: on the CPU)."""
         initial, mask = self.initial_buffers(torch.get_default_device())
         self.register_buffer("initial", initial, persistent=False)
         self.register_buffer("mask", mask, persistent=False)
 
     def exact_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers made anew where they are, by name: float32, or float64 in a model cast to it."""
+        """The buffers made anew where they are: float32 (float64 in a float64 model)."""
         dtype = torch.promote_types(self.initial.dtype, torch.float32)
         fresh = zip(("initial", "mask"), self.initial_buffers(self.initial.device, dtype))
         return {name: buffer for name, buffer in fresh if buffer is not None}
@@ -68,13 +61,11 @@ class ExactBuffers(nn.Module):
 
 
 class ValueResidual(ExactBuffers):
-    """Every λ of the model (one module, not one per layer: a softmax couples the layers, and optimisers, PEFT's
-    `modules_to_save=["value_residual"]` and model cards get one name to find).
+    """Every λ of the model in one module: a softmax couples the layers, and optimisers, PEFT's `modules_to_save`
+    and model cards get one name to find.
 
-    Learnable λ are stored as *offsets from the initial values in the config*: weight decay pulls them toward those
-    values (never silently toward "no value residual"), and a checkpoint without them loads at exactly those values.
-    Initial and fixed values live in non-persistent buffers made once, so a forward pass builds no tensor from Python
-    data and copies nothing from the host.
+    Learnable λ are stored as offsets from the config's initial values: weight decay pulls them toward those values
+    (never toward "no value residual"), and a checkpoint without them loads at exactly those values.
     """
 
     def __init__(self, config: ResFormerConfig):
@@ -90,27 +81,23 @@ class ValueResidual(ExactBuffers):
         n = len(self.receivers)
         if self.parameterisation == PAIR:
             self.lambda_first_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-            self.lambda_self_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         elif self.parameterisation == SOFTMAX:
             self.lambda_logits = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-            # Shape [1], not 0-dim: FSDP2 and DeepSpeed ZeRO refuse 0-dim parameters (old checkpoints are reshaped on
-            # load, `LAMBDA_CHECKPOINT_CONVERSIONS`).
+            # Shape [1], not 0-dim: FSDP2 and DeepSpeed ZeRO refuse 0-dim parameters.
             self.lambda_scale_offset = nn.Parameter(torch.zeros(1, dtype=torch.float32))
+        if self.parameterisation in (PAIR, SOFTMAX):
             self.lambda_self_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-        elif self.parameterisation == DENSE:
-            # Row r: offsets of receiver r's weights on the raw values V_0 .. V_{L-1}; columns after it unused.
+        if self.parameterisation == DENSE:
+            # Row r: receiver r's weights on the raw values V_0 .. V_{L-1}; columns after it unused.
             self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers, dtype=torch.float32))
         self.register_exact_buffers()
-        #: (the λ offsets read as numbers, the mixes built from them), reused while the offsets read the same
+        #: (the offsets read as numbers, the mixes built from them), reused while the offsets read the same
         self._numeric: tuple[tuple, tuple[LayerMix, ...]] | None = None
 
     def initial_buffers(self, device: torch.device, dtype: torch.dtype = torch.float32
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The table at zero offsets (fixed λ: the table itself), and dense's mask of the columns each row reads.
-
-        Zeros made in float32 and then filled: DeepSpeed's `zero.Init` turns what `torch.tensor`/`full` create into
-        its training dtype (bf16 holds 0.4 as 0.4004), but not what `fill_` writes into a float32 tensor.
-        """
+        """The table at zero offsets, and dense's mask of the columns each row reads. Zeros then filled: DeepSpeed's
+        `zero.Init` turns what `torch.full` creates into its training dtype, but not what `fill_` writes."""
         n = len(self.receivers)
         if self.parameterisation != DENSE:
             initial = torch.zeros(2, n, device=device).to(dtype)
@@ -125,39 +112,26 @@ class ValueResidual(ExactBuffers):
             initial[row, layer] = self.lambda_self_init
         return initial, mask
 
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Zero every offset (λ back to the initial values in the config) and rebuild the buffers in place."""
-        for parameter in self.parameters(recurse=False):
-            parameter.zero_()
-        for name, fresh in self.exact_buffers().items():
-            self._buffers[name].copy_(fresh)
-
     def forward(self, gradients: bool = True) -> torch.Tensor | tuple[LayerMix, ...]:
-        """The λ table, float32: [2, R], the λ_first and the λ_self of the R receiving layers (contiguous rows, so each
-        offset's gradient is a plain slice); `dense` [R, L], each receiver's weights on V_0 .. V_{L-1}. With
-        `gradients=False` (a pass nothing will differentiate), one `LayerMix` per layer instead.
-
-        Offsets are upcast before the initial values are added (type promotion with the float32 buffers): engines
-        that hand the module bfloat16 copies of its parameters (DeepSpeed bf16) round only the small offsets.
-        """
+        """The λ table in float32: [2, R], λ_first and λ_self of the R receivers (`dense`: [R, L], each receiver's
+        weights on V_0 .. V_{L-1}); with `gradients=False`, one `LayerMix` per layer instead. Offsets are upcast
+        before the initial values are added, so engines that hand over bf16 copies round only the small offsets."""
         if not gradients:
             return self.layer_mixes()
         if self.parameterisation == PAIR:
             return torch.stack((self.lambda_first_offset, self.lambda_self_offset)) + self.initial
         if self.parameterisation == SOFTMAX:
-            dtype = self.initial.dtype  # float32 (float64 in a float64 model), whatever the offsets were cast to
+            dtype = self.initial.dtype
             scale = self.lambda_scale_offset.to(dtype) + self.lambda_scale_init
             first = torch.softmax(self.lambda_logits.to(dtype), 0) * scale
             return torch.stack((first, self.lambda_self_offset.to(dtype))) + self.initial
         if self.parameterisation == DENSE:
             return (self.dense_weight_offset + self.initial) * self.mask
-        return self.initial  # fixed λ (and `gated`'s initial mix): constants
+        return self.initial  # fixed λ (and `gated`'s initial mix)
 
     def rows(self, table: torch.Tensor, dtype: torch.dtype) -> tuple:
-        """Each layer's (λ_first, λ_self) from `forward()`'s table in the values' dtype: 0-dim tensors, (its row of
-        weights, None) for `dense`, (None, None) where a layer receives nothing or λ are fixed (their paths hold them
-        as floats). All are views of one cast, so backward gathers their gradients in one op."""
+        """Each layer's (λ_first, λ_self) from `forward()`'s table in the values' dtype: 0-dim views of one cast, so
+        backward gathers their gradients in one op; (its row, None) for `dense`; (None, None) where fixed."""
         if not self._parameters:
             return ((None, None),) * self.num_layers
         table = table.to(dtype)
@@ -169,15 +143,12 @@ class ValueResidual(ExactBuffers):
         return tuple(next(rows) if role != PLAIN else (None, None) for role in self.roles)
 
     def layer_mixes(self) -> tuple[LayerMix, ...]:
-        """Every layer's `LayerMix` for a pass without gradient.
-
-        Fixed λ are the config's numbers. Learnable ones are read into numbers where that is free, and kept while the
-        parameters are not written to (every step of `generate()`): a mixing layer then folds them into v_proj's
-        GEMM and the pass dispatches no op for λ. Elsewhere (GPU, compiled, sharded) they stay tensors: one table.
-        """
+        """Every layer's `LayerMix` for a pass without gradient. Numbers where that is free, kept while the
+        parameters read the same (every step of `generate()`): a mixing layer folds them into v_proj's GEMM and the
+        pass dispatches no op for λ. Elsewhere (GPU, compiled, sharded) tensors from one table."""
         fixed = not self._parameters
         readable = fixed or (self.parameterisation != DENSE and readable_as_numbers(self))
-        # Keyed by the values themselves: a write through `.data` bumps no version counter. Reading dispatches no op.
+        # Keyed by the values: a write through `.data` bumps no version counter. Reading dispatches no op.
         versions = tuple(p.tolist() for p in self._parameters.values()) if readable else None
         if readable and self._numeric is not None and self._numeric[0] == versions:
             return self._numeric[1]
@@ -193,8 +164,8 @@ class ValueResidual(ExactBuffers):
             return self._numeric[1]
         if self.parameterisation == DENSE:  # layer 0 starts every receiver's running mix from the whole table
             return (LayerMix(table, 1.0),) * self.num_layers
-        firsts, owns = table[0].view(-1, 1, 1, 1, 1), iter(table[1].unbind())
-        return tuple(LayerMix(firsts, next(owns) if role != PLAIN else 1.0) for role in self.roles)
+        firsts, selves = table[0].view(-1, 1, 1, 1, 1), iter(table[1].unbind())
+        return tuple(LayerMix(firsts, next(selves) if role != PLAIN else 1.0) for role in self.roles)
 
     def _numeric_mixes(self, pairs: list) -> tuple[LayerMix, ...]:
         pairs = iter(pairs)
@@ -205,9 +176,7 @@ class ValueResidual(ExactBuffers):
 
     @torch.no_grad()
     def lambda_table(self) -> torch.Tensor:
-        """Effective (λ_first, λ_self) of every layer, float32 [L, 2] on the CPU: plain layers (0, 1), SVFormer's
-        (1, 0), NeuTRENO's (λ, 1 − λ) (the mix its correction `λ(V_0 − V_n)` makes of a token's own values), dense's
-        weights on V_0 and on the layer's own values."""
+        """Effective (λ_first, λ_self) of every layer, float32 [L, 2] on the CPU (`value_residual_lambdas`)."""
         with gathered_parameters(self):
             table = self.forward().cpu()
         result = torch.tensor([[0.0, 1.0]]).repeat(self.num_layers, 1)
@@ -223,59 +192,257 @@ class ValueResidual(ExactBuffers):
                 result[layer] = table[:, row]
         return result
 
-    def extra_repr(self) -> str:
-        return f"parameterisation={self.parameterisation!r}, receivers={self.receivers}"
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # torch's `load_state_dict` (Trainer resume, PEFT, DeepSpeed ZeRO-3 loading) of an old 0-dim λ_scale.
+        # torch's `load_state_dict` (Trainer resume, PEFT, ZeRO-3) of a 0-dim λ_scale saved before it became [1].
         key = f"{prefix}lambda_scale_offset"
         if key in state_dict and state_dict[key].dim() == 0:
             state_dict[key] = state_dict[key].reshape(1)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-class LambdaScaleToVector(ConversionOps):
-    """Checkpoint conversion: a λ_scale offset saved as a 0-dim scalar becomes the shape-[1] parameter, same value.
+def needs_value_gradients(model: nn.Module, inputs_embeds: torch.Tensor) -> bool:
+    """Whether this pass may be differentiated: autograd records and the inputs or a parameter may want a gradient."""
+    if not torch.is_grad_enabled():
+        return False
+    return inputs_embeds.requires_grad or any(parameter.requires_grad for parameter in model.parameters())
 
-    A 1-D tensor passes unchanged, so saving (the reverse, this op again) writes the new layout. Sharded loading
-    (FSDP2 through `distributed_config`) treats a 0-dim tensor as one slice along the first dim and hands it to the
-    rank that owns it; the others get an empty list and an empty local shard.
+
+# ---- value paths ----------------------------------------------------------------------------------------------------
+
+#: (values attention attends over [B, H_kv, T, D], residual values for later layers, what `project_output` reads)
+ValueStep = tuple[torch.Tensor, object, object]
+
+#: Up to this many tokens (a decode step, a speculative draft) layer 0 scales V_0 for all R receivers in one op;
+#: beyond it (prefill) each receiver scales V_0 when it runs, holding one scaled copy at a time instead of R.
+BATCHED_SCALING_MAX_TOKENS = 16
+
+
+class ScaledPerReceiver(NamedTuple):
+    """λ_first[r]·V_0 for receiver r, computed when receiver r asks for it (long inputs; see above)."""
+
+    values: torch.Tensor  #: V_0 [B, H_kv, T, D]
+    first: tuple[torch.Tensor, ...]  #: one [1, 1, 1, 1] λ_first per receiver, in the values' dtype
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        return self.values * self.first[row]
+
+
+class ValuePath:
+    """Llama's values, `v_proj(h)`; residual values pass through. Holds only what the config fixes for its layer: the
+    modules it uses are the attention's (PEFT or tensor parallelism may replace them after construction)."""
+
+    #: The path of layer 0 when this path's layers read V_0 (None: no other path, as for `dense`)
+    first_values: type[ValuePath] | None = None
+
+    def __init__(self, config: ResFormerConfig, layer_idx: int):
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        #: fixed λ as floats: they enter the GEMMs exact, at no op's cost
+        self.fixed = None
+        if config.value_residual_spec.lambdas == FIXED:
+            self.fixed = (config.value_residual_lambda_first_resolved, config.value_residual_lambda_self_resolved)
+
+    def attach(self, attention: nn.Module) -> None:
+        """Add or drop the attention modules this path needs; called once, when the attention is built."""
+
+    def __call__(self, attention: nn.Module, hidden_states: torch.Tensor, residual_values, lambda_first, lambda_self,
+                 gradients: bool) -> ValueStep:
+        """The layer's values from its normalised input, with its λ from `ValueResidual`: with `gradients` views of
+        the λ table (the floats where fixed); without, a `LayerMix`'s two fields."""
+        if gradients:
+            if self.fixed:
+                lambda_first, lambda_self = self.fixed
+            return self.with_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
+        return self.without_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
+
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        own = own_values(attention.v_proj, hidden_states, self.head_dim)
+        return own, residual_values, own
+
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        return self.with_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
+
+    def project_output(self, attention: nn.Module, attn_output: torch.Tensor, input_shape, residual_values, own,
+                       gradients: bool) -> torch.Tensor:
+        """o_proj of the attention output ([B, T, H_q, D]; vLLM's [T, H_q·D]), as Llama does."""
+        return attention.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
+
+
+class FirstValues(ValuePath):
+    """Layer 0: attends over its own values and hands them on. With a gradient V_0 itself; without, what its
+    receivers mix with fastest: the [B·T, H_kv·D] matrix its GEMM wrote (λ as numbers), or λ_first·V_0 per receiver
+    (λ as tensors; scaled when asked for beyond `BATCHED_SCALING_MAX_TOKENS`)."""
+
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        own = own_values(attention.v_proj, hidden_states, self.head_dim)
+        return own, own, own
+
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        if isinstance(lambda_first, float):
+            flat, raw = flat_values(attention.v_proj, hidden_states, self.head_dim)
+            return raw.transpose(1, 2), flat, raw
+        own = own_values(attention.v_proj, hidden_states, self.head_dim)
+        first = lambda_first.to(own.dtype)  # [R, 1, 1, 1, 1]
+        if own.shape[-2] > BATCHED_SCALING_MAX_TOKENS:
+            return own, ScaledPerReceiver(own, first.unbind(0)), own
+        return own, (own * first).unbind(0), own
+
+
+class MixedValues(ValuePath):
+    """A receiving layer: attends over `λ_first·V_0 + λ_self·V_n`. With a gradient v_proj's GEMM and the mix are one
+    fused op (`_ProjectAndMix`); without, λ as numbers fold into one `addmm` where Llama has its linear, λ as tensors
+    add one `addcmul` to v_proj's output."""
+
+    first_values = FirstValues
+
+    def __init__(self, config: ResFormerConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.row = config.value_residual_receivers.index(layer_idx)  #: index among the receivers
+
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        mixed = project_and_mix(hidden_states, attention.v_proj, residual_values, (lambda_first, lambda_self),
+                                self.head_dim)
+        return mixed, residual_values, None
+
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        if not isinstance(lambda_first, float):  # λ_first·V_0 already scaled by layer 0
+            own = own_values(attention.v_proj, hidden_states, self.head_dim)
+            return torch.addcmul(residual_values[self.row], own, lambda_self), residual_values, None
+        shape = hidden_states.shape
+        weight = plain_linear_weight(attention.v_proj)
+        if weight is not None:
+            flat = torch.addmm(residual_values, hidden_states.reshape(-1, shape[-1]), weight.t(),
+                               beta=lambda_first, alpha=lambda_self)
+        else:
+            flat = torch.add(attention.v_proj(hidden_states).reshape(residual_values.shape) * lambda_self,
+                             residual_values, alpha=lambda_first)
+        return flat.view(*shape[:-1], -1, self.head_dim).transpose(1, 2), residual_values, None
+
+
+class SVFormerFirstValues(FirstValues):
+    """SVFormer's layer 0: hands on V_0 itself, which later layers attend over."""
+
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        flat, raw = flat_values(attention.v_proj, hidden_states, self.head_dim)
+        own = raw.transpose(1, 2)
+        return own, own, raw
+
+
+class SVFormerValues(ValuePath):
+    """SVFormer's receiving layer: no v_proj; attends over V_0 itself."""
+
+    first_values = SVFormerFirstValues
+
+    def attach(self, attention: nn.Module) -> None:
+        attention.v_proj = None
+
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+        return residual_values, residual_values, None
+
+
+# ---- the training mix -----------------------------------------------------------------------------------------------
+
+#: A layer's (λ_first, λ_self): floats when fixed, else 0-dim views of the λ table in the values' dtype.
+Lambdas = tuple[float, float] | tuple[torch.Tensor, torch.Tensor]
+
+
+def mix_values(own: torch.Tensor, first: torch.Tensor, lambdas: Lambdas) -> torch.Tensor:
+    """`λ_first·V_0 + λ_self·V_n` in plain ops: the reference, and the path of a v_proj that is not plain."""
+    first_weight, own_weight = lambdas
+    return own * own_weight + first * first_weight
+
+
+class _ProjectAndMix(torch.autograd.Function):
+    """`V' = λ_first·V_0 + λ_self·(h Wᵀ + b)`: v_proj's GEMM and the mix as one op, keeping nothing Llama does not.
+
+    Saves h (q_proj and k_proj keep it), W, V_0 (layer 0's attention keeps it) and λ. λ_self's gradient `<dV', V_n>`
+    needs the V_n nothing keeps, but equals `<dV'ᵀh, W> + <Σ_t dV', b>`, and `dV'ᵀh` is the weight gradient's own
+    product: exact, for one weight-sized dot. On CUDA the learnable mix runs as Triton kernels (`mix_kernels.py`).
     """
 
-    @torch.no_grad()
-    def convert(self, input_dict: dict, source_patterns: list[str], target_patterns: list[str], **kwargs) -> dict:
-        (tensors,) = input_dict.values()
-        tensors = tensors if isinstance(tensors, list) else [tensors]
-        local = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=torch.float32)
-        return {target_patterns[0]: local}
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, first, first_weight, own_weight):
+        dtype = compute_dtype(hidden)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        ctx.first_shape = first.shape
+        first = token_major(first).to(dtype)  # a view of V_0 as layer 0's v_proj wrote it
+        ctx.fixed = not torch.is_tensor(own_weight)
+        if ctx.fixed:
+            mixed = torch.addmm(first, hidden, weight.t(), beta=first_weight, alpha=own_weight)
+            if bias is not None:
+                mixed.add_(bias, alpha=own_weight)
+            ctx.lambdas = (first_weight, own_weight)
+            ctx.save_for_backward(hidden, weight, bias, first)
+        else:
+            mixed = F.linear(hidden, weight, bias)
+            if kernels_usable(mixed, first, first_weight, own_weight):
+                mix_in_place(mixed, first, first_weight, own_weight)
+            else:
+                mixed.mul_(own_weight).addcmul_(first, first_weight)
+            ctx.save_for_backward(hidden, weight, bias, first, first_weight, own_weight)
+        return mixed
 
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return self
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, first, *lambdas = ctx.saved_tensors
+        need_hidden, need_weight, need_bias, need_first, need_first_weight, need_own_weight = ctx.needs_input_grad
+        grad_hidden = grad_weight = grad_bias = grad_first_weight = grad_own_weight = None
+        if ctx.fixed:
+            first_weight, own_weight = ctx.lambdas
+            scaled = grad if own_weight == 1.0 else grad * own_weight
+            grad_first = scaled if first_weight == own_weight else grad if first_weight == 1.0 else grad * first_weight
+        else:
+            first_weight, own_weight = lambdas
+            if kernels_usable(grad, first, first_weight, own_weight):  # both products and λ_first's dot in one pass
+                grad_first, scaled, grad_first_weight = mix_backward(grad, first, first_weight, own_weight)
+            else:
+                grad_first, scaled = (grad * _column(first_weight, own_weight)).unbind()
+        if need_hidden:
+            grad_hidden = scaled.mm(weight)
+        if need_bias and bias is not None:
+            grad_bias = scaled.sum(0)
+        if need_own_weight:
+            product = grad.t().mm(hidden)  # dV'ᵀh: the weight gradient before its λ_self factor
+            grad_own_weight = torch.dot(product.view(-1), weight.reshape(-1))
+            if bias is not None:
+                grad_own_weight = grad_own_weight + torch.dot(grad.sum(0), bias)
+            grad_weight = product.mul_(own_weight) if need_weight else None
+        elif need_weight:
+            grad_weight = scaled.t().mm(hidden)
+        if need_first_weight and grad_first_weight is None:
+            grad_first_weight = torch.dot(grad.reshape(-1), first.reshape(-1))
+        if need_first:
+            batch, heads, length, dim = ctx.first_shape
+            grad_first = grad_first.view(batch, length, heads, dim).transpose(1, 2)
+        return (grad_hidden, grad_weight, grad_bias, grad_first if need_first else None, grad_first_weight,
+                grad_own_weight)
 
 
-#: Weight conversions `from_pretrained` applies to a ResFormer checkpoint (registered for the model type).
-LAMBDA_CHECKPOINT_CONVERSIONS = [
-    WeightConverter(
-        "value_residual.lambda_scale_offset", "value_residual.lambda_scale_offset", [LambdaScaleToVector()]
-    )
-]
+def _column(first_weight: torch.Tensor, own_weight: torch.Tensor) -> torch.Tensor:
+    """(λ_first, λ_self) as [2, 1, 1]: a view where both are views of one λ table (`ValueResidual.rows`), else
+    stacked."""
+    step = own_weight.storage_offset() - first_weight.storage_offset()
+    if step and own_weight.untyped_storage().data_ptr() == first_weight.untyped_storage().data_ptr():
+        return first_weight.as_strided((2, 1, 1), (step, 0, 0))
+    return torch.stack((first_weight, own_weight)).view(2, 1, 1)
 
 
-@contextlib.contextmanager
-def gathered_parameters(module: nn.Module) -> Iterator[None]:
-    """Within the block, `module`'s own parameters are whole on every rank, whichever engine sharded them (FSDP2
-    DTensors are swapped for their full tensors, ZeRO-3 partitions gathered). A collective: every rank must enter it.
-    Read-only: changes are lost."""
-    parameters = dict(module.named_parameters(recurse=False))
-    partitioned = [parameter for parameter in parameters.values() if hasattr(parameter, "ds_id")]
-    # Parameters with a `ds_id` were partitioned by DeepSpeed, so it is imported; looked up, since remote code may
-    # import only torch and transformers.
-    gather = sys.modules["deepspeed"].zero.GatheredParameters(partitioned) if partitioned else contextlib.nullcontext()
-    with gather:
-        sharded = {name: parameter for name, parameter in parameters.items() if isinstance(parameter, DTensor)}
-        module._parameters.update({name: nn.Parameter(p.detach().full_tensor(), False) for name, p in sharded.items()})
-        try:
-            yield
-        finally:
-            module._parameters.update(sharded)
+def project_and_mix(hidden_states: torch.Tensor, v_proj: nn.Module, first: torch.Tensor, lambdas: Lambdas,
+                    head_dim: int) -> torch.Tensor:
+    """`λ_first·V_0 + λ_self·v_proj(h)`, [B, H_kv, T, D]. Compiled: `h (λ_self·W)ᵀ + λ_first·V_0` in plain ops, which
+    keep no V_n for the partitioner to save (the fused op would keep h, which a compiled Llama recomputes)."""
+    shape = (*hidden_states.shape[:-1], -1, head_dim)
+    if not is_plain_linear(v_proj):
+        return mix_values(v_proj(hidden_states).view(shape).transpose(1, 2), first, lambdas)
+    if torch.compiler.is_compiling():
+        first_weight, own_weight = lambdas
+        bias = None if v_proj.bias is None else v_proj.bias * own_weight
+        own = F.linear(hidden_states, v_proj.weight * own_weight, bias).view(shape).transpose(1, 2)
+        return own + first * first_weight
+    dtype = compute_dtype(hidden_states)
+    if torch.is_tensor(lambdas[0]) and lambdas[0].dtype != dtype:
+        lambdas = (lambdas[0].to(dtype), lambdas[1].to(dtype))
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    mixed = _ProjectAndMix.apply(hidden, v_proj.weight, v_proj.bias, first, *lambdas)
+    return mixed.view(shape).transpose(1, 2)
