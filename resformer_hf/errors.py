@@ -8,4 +8,11 @@ class UserInputError(ValueError):
     what to do. The commands print it as `<prog>: error: <message>` and exit with status 2."""
 
 
-__all__ = ["UserInputError"]
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message (its type's name if it has none), for quoting a library's error inside a
+    one-line `UserInputError`."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+__all__ = ["UserInputError", "first_line"]

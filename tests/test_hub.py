@@ -314,6 +314,17 @@ def test_save_for_hub_refuses_a_plain_llama(tmp_path):
         resformer_hub.save_for_hub(llama, tmp_path)
 
 
+
+def test_a_misspelt_card_fact_fails_before_anything_is_written(tmp_path):
+    """The publishing functions pass the card's facts on as `**facts`; a keyword the card does not take is still a
+    `TypeError` at the call, not after the weights are on disk."""
+    model = ResFormerForCausalLM(tiny_config("learnable"))
+    with pytest.raises(TypeError, match="base_modle"):
+        resformer_hub.save_for_hub(model, tmp_path / "saved", base_modle="meta-llama/Llama-3.2-1B")
+    with pytest.raises(TypeError, match="base_modle"):
+        resformer_hub.finish_hub_folder(tmp_path / "finished", model.config, base_modle="meta-llama/Llama-3.2-1B")
+    assert not any(tmp_path.iterdir())
+
 def test_deprecated_push_to_hub_name_warns_and_pushes_with_the_card(monkeypatch):
     hub = _FakeHub(monkeypatch)
     model = ResFormerForCausalLM(tiny_config("learnable"))

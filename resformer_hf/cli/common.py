@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from ..errors import UserInputError
 from .startup import end_start_up_guard
@@ -47,21 +48,26 @@ def add_debug_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug", action="store_true", help="show the full traceback of an unexpected error")
 
 
-def positive_int(text: str) -> int:
+_Number = TypeVar("_Number", int, float)
+
+
+def _parsed(text: str, convert: Callable[[str], _Number], what: str) -> _Number:
+    """`convert(text)`, or the argparse error that says `text` is not `what`, worded alike for every number flag."""
     try:
-        value = int(text)
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _parsed(text, int, "an integer")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be positive")
     return value
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parsed(text, float, "a number")
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be a positive number")
     return value
@@ -69,10 +75,7 @@ def positive_float(text: str) -> float:
 
 def seed(text: str) -> int:
     """A random seed: an integer in 0 .. 2**32 - 1, the range every RNG the Trainer seeds accepts."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _parsed(text, int, "an integer")
     if not 0 <= value < 2**32:
         raise argparse.ArgumentTypeError(f"{value} must be between 0 and {2**32 - 1}")
     return value

@@ -13,9 +13,8 @@ import copy
 import os
 import tempfile
 import warnings
-from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 from huggingface_hub.utils import DEFAULT_IGNORE_PATTERNS, filter_repo_objects
@@ -26,7 +25,11 @@ from ..registration import full_auto_map
 from ..remote_code.configuration_resformer import ResFormerConfig
 from ..remote_code.modeling_resformer import ResFormerForCausalLM, ResFormerPreTrainedModel
 from . import model_card
+from .model_card import CardFacts, check_card_facts
 from .refresh_code import refresh_remote_code
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 #: How a folder's model samples where its generation_config leaves `do_sample` unset: OpenAI's defaults (temperature
 #: 1, the whole distribution: no top-k, no nucleus). Left unset, each reader fills it in its own way: `generate()` and
@@ -35,21 +38,13 @@ SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k
 
 
 def finish_hub_folder(
-    directory: str | os.PathLike,
-    config: ResFormerConfig,
-    *,
-    lambdas: Any = None,
-    base_model: str | None = None,
-    init: str | None = None,
-    datasets: str | Sequence[str] | None = None,
-    training: Mapping[str, Any] | None = None,
-    license: str | None = None,
-    model_id: str | None = None,
+    directory: str | os.PathLike, config: ResFormerConfig, *, lambdas: Any = None, **facts: Unpack[CardFacts]
 ) -> Path:
     """Make a folder that holds the weights publishable: copy the remote-code files (so it loads with
     `trust_remote_code=True` and no plugin), write `config.json` with a full `auto_map` and `use_cache: true` (a
     Trainer may have switched the cache off on the model it trained), and the model card (`write_model_card`'s
     arguments). `config` itself is not changed. Returns the folder."""
+    check_card_facts(facts)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     custom_object_save(ResFormerForCausalLM, directory)  # modeling_resformer.py and every file it imports
@@ -58,17 +53,7 @@ def finish_hub_folder(
     published.use_cache = True
     published.save_pretrained(directory)
     write_sampling(directory, published)
-    model_card.write_model_card(
-        directory,
-        published,
-        base_model=base_model,
-        init=init,
-        lambdas=lambdas,
-        datasets=datasets,
-        training=training,
-        license=license,
-        model_id=model_id,
-    )
+    model_card.write_model_card(directory, published, lambdas=lambdas, **facts)
     return directory
 
 
@@ -94,35 +79,22 @@ def save_for_hub(
     save_directory: str | os.PathLike,
     *,
     tokenizer: Any = None,
-    base_model: str | None = None,
-    init: str | None = None,
-    datasets: str | Sequence[str] | None = None,
-    training: Mapping[str, Any] | None = None,
-    license: str | None = None,
-    model_id: str | None = None,
+    **facts: Unpack[CardFacts],
 ) -> Path:
     """Write safetensors weights, `generation_config.json` and the tokenizer (when given) into `save_directory`,
-    then `finish_hub_folder` it (remote code, `config.json`, `README.md`); returns the folder."""
+    then `finish_hub_folder` it (remote code, `config.json`, `README.md` with the model's own λ); returns the
+    folder."""
     if not isinstance(model, ResFormerPreTrainedModel):
         raise TypeError(
             f"model must be a ResFormer model, got {type(model).__name__}; convert a Llama checkpoint first with "
             "resformer_hf.conversion.convert_llama_checkpoint."
         )
+    check_card_facts(facts)
     directory = Path(save_directory)
     model.save_pretrained(directory)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    return finish_hub_folder(
-        directory,
-        model.config,
-        lambdas=model.value_residual_lambdas(),
-        base_model=base_model,
-        init=init,
-        datasets=datasets,
-        training=training,
-        license=license,
-        model_id=model_id,
-    )
+    return finish_hub_folder(directory, model.config, lambdas=model.value_residual_lambdas(), **facts)
 
 # Beyond huggingface_hub's defaults: bytecode, and `--refresh-code`'s own files (staging files, kept originals and
 # the journal: all `.<name>.tmp`, see `file_transaction`).
@@ -164,13 +136,12 @@ def push_with_card(
     token: str | bool | None = None,
     commit_message: str = "Upload ResFormer model",
     create_pr: bool = False,
-    **card: Any,
+    **facts: Unpack[CardFacts],
 ) -> CommitInfo:
-    """`save_for_hub` into a temporary folder, then `upload_folder_to_hub`. `card` takes `write_model_card`'s
-    keyword arguments; `model_id` defaults to `repo_id`."""
-    card.setdefault("model_id", repo_id)
+    """`save_for_hub` into a temporary folder, then `upload_folder_to_hub`; `model_id` defaults to `repo_id`."""
+    facts.setdefault("model_id", repo_id)
     with tempfile.TemporaryDirectory() as folder:
-        save_for_hub(model, folder, tokenizer=tokenizer, **card)
+        save_for_hub(model, folder, tokenizer=tokenizer, **facts)
         return upload_folder_to_hub(
             folder, repo_id, private=private, token=token, commit_message=commit_message, create_pr=create_pr
         )

@@ -12,13 +12,16 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..remote_code.configuration_resformer import ResFormerConfig
 from ..remote_code.value_residual import ValueResidual
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 #: Name of the template inside the package; `model_cards/resformer.md` in the repository is the same file.
 TEMPLATE_NAME = "model_card_template.md"
@@ -27,6 +30,28 @@ _INIT_SUMMARIES = {
     "preserve": "λ start where the converted model computes exactly what the base model computed",
     "paper": "λ start at the paper's initial values, so outputs differ from the base model until fine-tuned",
 }
+
+
+class CardFacts(TypedDict, total=False):
+    """Where a model came from and how it was trained, as `build_model_card` states it (its docstring says what each
+    means). Named once here so that the functions that pass them on to the card take exactly these keywords."""
+
+    base_model: str | None
+    init: str | None
+    datasets: str | Sequence[str] | None
+    training: Mapping[str, Any] | None
+    license: str | None
+    model_id: str | None
+
+
+def check_card_facts(facts: Mapping[str, Any]) -> None:
+    """Raise the `TypeError` a misspelt keyword raises, before the caller writes any file rather than at the card."""
+    unknown = sorted(set(facts) - set(CardFacts.__annotations__))
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument(s) {', '.join(unknown)}; the model card takes "
+            f"{', '.join(CardFacts.__annotations__)}"
+        )
 
 
 def _template_path() -> Path:
@@ -182,28 +207,11 @@ def build_model_card(
 
 
 def write_model_card(
-    save_directory: str | os.PathLike,
-    config: ResFormerConfig,
-    *,
-    base_model: str | None = None,
-    init: str | None = None,
-    lambdas: Any = None,
-    datasets: str | Sequence[str] | None = None,
-    training: Mapping[str, Any] | None = None,
-    license: str | None = None,
-    model_id: str | None = None,
+    save_directory: str | os.PathLike, config: ResFormerConfig, *, lambdas: Any = None, **facts: Unpack[CardFacts]
 ) -> Path:
-    """Write the card as `README.md` into `save_directory` (created if missing); returns its path."""
-    card = build_model_card(
-        config,
-        base_model=base_model,
-        init=init,
-        lambdas=lambdas,
-        datasets=datasets,
-        training=training,
-        license=license,
-        model_id=model_id,
-    )
+    """Write the card as `README.md` into `save_directory` (created if missing); returns its path. The arguments are
+    `build_model_card`'s."""
+    card = build_model_card(config, lambdas=lambdas, **facts)
     directory = Path(save_directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "README.md"
@@ -222,4 +230,4 @@ def _base_model_url(base_model: str | None) -> str | None:
     return f"https://huggingface.co/{base_model}" if _looks_like_hub_id(base_model) else None
 
 
-__all__ = ["build_model_card", "write_model_card"]
+__all__ = ["CardFacts", "build_model_card", "check_card_facts", "write_model_card"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserInputError
+from ..errors import UserInputError, first_line
 from ..text import SAMPLE_DESCRIPTION, block_dataset, sample_text
 
 #: Size of the Llama built when no model is given: small enough to train a visible amount in a minute on 2 cores.
@@ -22,11 +22,6 @@ SMALL_LLAMA = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, 
 
 class QuickstartError(UserInputError):
     """A problem the user can fix; printed as one line."""
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 @dataclass
@@ -248,7 +243,6 @@ __all__ = [
     "check_model_fits",
     "check_model_reachable",
     "fine_tune",
-    "first_line",
     "generate_sample",
     "group_into_blocks",
     "load_texts",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..conversion import ConversionError, ConversionReport, convert_llama_checkpoint
 from ..conversion.staging import OutputPathError, StagedDirectory, check_output_path
+from ..errors import first_line
 from ..hub import save_for_hub, upload_folder_to_hub
 from ..remote_code.configuration_resformer import DEFAULT_VARIANT, convertible_variants, output_preserving_variants
 from ..text import train_tokenizer
@@ -28,7 +29,6 @@ from .steps import (
     check_model_fits,
     check_model_reachable,
     fine_tune,
-    first_line,
     generate_sample,
     group_into_blocks,
     load_texts,

@@ -27,13 +27,11 @@ import resformer_hf  # noqa: F401  (registers the Auto classes)
 
 from engine_common import (
     LEARNING_RATE,
-    MODELS,
     STEPS,
     DataParallel,
-    attempt,
+    check_every_model,
     lambda_parameters,
     lambda_table,
-    load_batch,
     train,
 )
 
@@ -156,21 +154,12 @@ def mixing_weights_in_bf16(path: Path, batch: torch.Tensor, stage: int) -> dict:
 def main(data_dir: str, out: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo", timeout=timedelta(seconds=60))
     deepspeed_state_on_cpu()
-    data = Path(data_dir)
-    batch = load_batch(data)
-    results: dict = {}
-    for name in MODELS:
-        path = data / name
-        checks = {
-            "zero2": partial(zero, path, batch, stage=2),
-            "zero3": partial(zero, path, batch, stage=3),
-            "trainer_zero3": partial(trainer_zero3, path, batch),
-        }
-        if name != "llama":
-            checks["zero2_bf16"] = partial(mixing_weights_in_bf16, path, batch, stage=2)
-            checks["zero3_bf16"] = partial(mixing_weights_in_bf16, path, batch, stage=3)
-        for check, function in checks.items():
-            attempt(results, f"{check}/{name}", function, out)
+    checks = {"zero2": partial(zero, stage=2), "zero3": partial(zero, stage=3), "trainer_zero3": trainer_zero3}
+    mixing_checks = {
+        "zero2_bf16": partial(mixing_weights_in_bf16, stage=2),
+        "zero3_bf16": partial(mixing_weights_in_bf16, stage=3),
+    }
+    check_every_model(data_dir, out, checks, mixing_checks)
     dist.barrier()
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -127,3 +128,28 @@ def attempt(results: dict, key: str, function: Callable[[], dict], out: str | Pa
         results[key] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-3000:]}
     if int(os.environ.get("RANK", 0)) == 0:
         Path(out).write_text(json.dumps(results, indent=1))
+
+
+#: A check a worker runs on one model: (the model's folder, the global batch) -> what the parent test compares.
+Check = Callable[[Path, torch.Tensor], dict]
+
+
+def check_every_model(
+    data_dir: str | Path,
+    out: str | Path,
+    checks: Mapping[str, Check],
+    mixing_checks: Mapping[str, Check] | None = None,
+    results: dict | None = None,
+) -> dict:
+    """`attempt` every check on every model of `MODELS`, keyed `check/model`, model by model; `mixing_checks` (of
+    the mixing weights) on every model but the plain Llama, which has none. Returns the results: `results` when
+    given, so that a later call adds to what `out` already holds."""
+    data = Path(data_dir)
+    batch = load_batch(data)
+    results = {} if results is None else results
+    mixing_checks = mixing_checks or {}
+    for name in MODELS:
+        mixing = mixing_checks if name != "llama" else {}
+        for check, function in {**checks, **mixing}.items():
+            attempt(results, f"{check}/{name}", partial(function, data / name, batch), out)
+    return results

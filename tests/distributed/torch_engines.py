@@ -24,7 +24,7 @@ from transformers.distributed import DistributedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
-from engine_common import MODELS, DataParallel, Engine, attempt, load_batch, train
+from engine_common import DataParallel, Engine, check_every_model, train
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,26 +100,17 @@ def mixing_weights_seen_in_forward(model, batch) -> dict:
 
 def main(data_dir: str, out: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    data = Path(data_dir)
-    batch = load_batch(data)
-    results: dict = {}
-    for name in MODELS:
-        path = data / name
-        checks = {
-            "fsdp2_torch": partial(fsdp2_torch, path, batch),
-            "fsdp2_transformers": partial(fsdp2_transformers, path, batch),
-            "tp_gqa": partial(tensor_parallel, TensorParallel, path, batch),
-            "tp_mha": partial(tensor_parallel, TensorParallel, data / f"{name}-mha", batch),
-            "tp_accumulating": partial(tensor_parallel, TensorParallelAccumulating, path, batch),
-        }
-        if name != "llama":
-            checks["fsdp2_torch_bf16"] = partial(fsdp2_torch_bf16, path, batch)
-            checks["fsdp2_transformers_bf16"] = partial(fsdp2_transformers_bf16, path, batch)
-        for check, function in checks.items():
-            attempt(results, f"{check}/{name}", function, out)
+    checks = {
+        "fsdp2_torch": fsdp2_torch,
+        "fsdp2_transformers": fsdp2_transformers,
+        "tp_gqa": partial(tensor_parallel, TensorParallel),
+        "tp_mha": tensor_parallel_mha,
+        "tp_accumulating": partial(tensor_parallel, TensorParallelAccumulating),
+    }
+    mixing_checks = {"fsdp2_torch_bf16": fsdp2_torch_bf16, "fsdp2_transformers_bf16": fsdp2_transformers_bf16}
+    results = check_every_model(data_dir, out, checks, mixing_checks)
     # Last: a pipeline split that fails on one stage leaves the other waiting for hidden states (until the timeout).
-    for name in MODELS:
-        attempt(results, f"pp/{name}", partial(pipeline, data / name, batch), out)
+    check_every_model(data_dir, out, {"pp": pipeline}, results=results)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -147,6 +138,11 @@ def tensor_parallel(engine_class: type[TensorParallel], path: Path, batch: torch
     config = DistributedConfig(tp_plan="auto")
     engine = engine_class(AutoModelForCausalLM.from_pretrained(path, distributed_config=config))
     return {**train(engine, batch), "spread": engine.spread}
+
+
+def tensor_parallel_mha(path: Path, batch: torch.Tensor) -> dict:
+    """`tensor_parallel` on the model's multi-head-attention twin (`<name>-mha`, as many kv heads as heads)."""
+    return tensor_parallel(TensorParallel, path.with_name(f"{path.name}-mha"), batch)
 
 
 def pipeline(path: Path, batch: torch.Tensor) -> dict:
