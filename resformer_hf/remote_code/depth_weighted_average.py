@@ -1,12 +1,8 @@
-"""Weighted sums over depth: `dense`'s values (`Σ_j W[n, j]·V_j`) and DenseFormer's depth-weighted average of block
-outputs (Pagliardini et al., 2024), the baseline the ResFormer paper compares with. Both keep the earlier layers'
-tensors once, in one buffer that every layer's sum reads with one matrix-vector product (`dense_values`).
-
-After block i (1-based) the next block reads `Y_i = Σ_j α[i, j]·X_j` over the embeddings `X_0` and the block outputs
-`X_1 .. X_i` (with dilation k only `j ≡ i mod k`), instead of the plain residual stream `X_i`. The α are stored as
-offsets from the identity (α[i, i] = 1, the rest 0), like the λ of `value_residual.py`: a fresh or converted model is
-exactly Llama, weight decay pulls toward the plain residual stream, and a checkpoint without them loads as Llama.
-Imports only torch and its sibling files (copied for `trust_remote_code`).
+"""Weighted sums over depth: `dense`'s values `Σ_j W[n, j]·V_j`, and DenseFormer's depth-weighted average of block
+outputs (Pagliardini et al., 2024), a baseline of the paper: after block i the next block reads
+`Σ_j α[i, j]·X_j` over the embeddings and block outputs so far (dilation k: `j ≡ i mod k`). Both keep the earlier
+tensors once, in one buffer each sum reads with one matrix-vector product. α are offsets from the identity, like the
+λ: a fresh model is exactly Llama. Imports only torch and sibling files (copied for `trust_remote_code`).
 """
 
 from __future__ import annotations
@@ -19,14 +15,13 @@ from torch.nn import functional as F
 
 from .configuration_resformer import MIX_ALL
 from .projections import heads_view, own_values, token_major
-from .value_residual import ExactBuffers, ValuePath, ValueStep, readable_as_numbers
+from .value_residual import ExactBuffers, PathOutput, ValuePath, readable_as_numbers
 
 # ---- one buffer of earlier tensors, one matrix-vector product a layer -----------------------------------------------
 
 
 def _row_strides(shape: torch.Size) -> tuple[int, ...]:
-    """Strides of a [rows, B, H, T, D] stack whose rows are laid out token-major ([B, T, H, D]) like a projection's
-    output, so that copying V_n into a row is a plain memory copy and a row is a [B·T·H·D] vector."""
+    """Strides of a [rows, B, H, T, D] stack with token-major rows, laid out as a projection writes them."""
     rows, batch, heads, length, dim = shape
     return batch * length * heads * dim, length * heads * dim, dim, heads * dim, 1
 
@@ -43,12 +38,9 @@ def _is_our_stack_with_room(stack: torch.Tensor, values: torch.Tensor, capacity:
 
 
 def _stack_with_row(stack: torch.Tensor | None, values: torch.Tensor, capacity: int) -> torch.Tensor:
-    """`stack` with `values` appended as its next row, sharing one buffer of `capacity` rows across layers.
-
-    The result is a view of the buffer with a version counter of its own (through `.data`), so writing row n does not
-    touch what autograd saved from earlier layers' prefixes: those rows never change. A stack that is not such a
-    prefix (the first layer, a pipeline stage boundary) is copied into a fresh buffer.
-    """
+    """`stack` with `values` appended as its next row, in one buffer of `capacity` rows shared across layers: a view
+    with a version counter of its own (`.data`), so writing row n leaves what autograd saved of earlier prefixes
+    valid (those rows never change). Any other stack is copied into a fresh buffer."""
     rows = 0 if stack is None else stack.shape[0]
     shape = torch.Size((rows + 1, *values.shape))
     if stack is not None and _is_our_stack_with_room(stack, values, capacity):
@@ -74,8 +66,8 @@ def _rows(stack: torch.Tensor) -> torch.Tensor:
 
 
 def _in_their_dtype(function):
-    """Runs `function` with autocast off: the depth sums compute in their tensors' dtype, where CUDA's autocast would
-    run mv, addmv and addr in bf16 and round DenseFormer's float32 residual stream."""
+    """Runs `function` with autocast off: CUDA's autocast would run mv, addmv and addr in bf16 and round
+    DenseFormer's float32 residual stream."""
 
     @functools.wraps(function)
     def wrapper(*args):
@@ -109,13 +101,9 @@ def _dense_forward(own, stack, weights, layer_idx, capacity, mix, append):
 
 
 class _DenseValues(torch.autograd.Function):
-    """One `dense` layer: mix V_n with the stack of earlier raw values V_0..V_{n-1} and/or append V_n to it.
-
-    Every layer's stack is a prefix of one buffer (`_stack_with_row`), so the raw values are kept once: O(L) memory,
-    not the O(L²) of `torch.cat`-grown stacks that each stay alive for backward. The stack still travels from layer to
-    layer as a tensor argument, which reentrant activation checkpointing needs to propagate its gradient. Returns
-    (the values attention uses, the grown stack or None).
-    """
+    """One layer: mix V_n with the stack of earlier values V_0..V_{n-1} and/or append V_n to it; returns (the values
+    attention uses, the grown stack or None). Every stack is a prefix of one buffer, so the values are kept once (O(L),
+    not the O(L²) of `torch.cat`-grown stacks); it travels as a tensor argument, as reentrant checkpointing needs."""
 
     @staticmethod
     def forward(ctx, own, stack, weights, layer_idx, capacity, mix, append):
@@ -170,14 +158,10 @@ def dense_values(
     own: torch.Tensor, earlier: torch.Tensor | tuple | None, weights: torch.Tensor | None, layer_idx: int,
     capacity: int, mix: bool, append: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | tuple | None]:
-    """`Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n` when layer n mixes (else V_n itself), and the stack of earlier values with
-    V_n appended when a later layer reads it: `dense`'s values and DenseFormer's depth average (V as [B, 1, T, C]).
-
-    `capacity` is the number of rows the stack reaches; layer 0 passes `None` and allocates it, once per pass. A layer
-    writes only its own row, so a decoder layer must not run twice on one stack with different inputs in one graph
-    (activation checkpointing's recompute writes the same values again, which is fine). Compiled, the stack is a
-    tuple and the sum plain ops, which the compiler fuses and which keep each V_j once.
-    """
+    """`Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n` when layer n mixes (else V_n), and the stack with V_n appended when a
+    later layer reads it; DenseFormer passes block outputs as [B, 1, T, C]. A layer writes only its own row, so it
+    must not run twice on one stack with other inputs in one graph (checkpointing's recompute writes the same values).
+    Compiled, the stack is a tuple and the sum plain ops, which the compiler fuses, keeping each V_j once."""
     if torch.compiler.is_compiling():
         earlier = () if earlier is None else tuple(earlier)
         values = own
@@ -194,13 +178,9 @@ def dense_values(
 
 
 class DenseValues(ValuePath):
-    """`dense`: a layer whose raw values later layers read appends them to the stack; a receiving layer attends over
-    `Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n`. The path of every layer up to the last receiver.
-
-    With a gradient the raw values are kept once, in one buffer shared by all layers (`dense_values`). Without one,
-    layer 0 starts one running mix `Σ_j W[r, j]·V_j` per receiver r, which each later layer updates in place with its
-    own values (`dense`'s λ are always tensors).
-    """
+    """`dense`, the path of every layer up to the last receiver: appends its values to the stack and, receiving,
+    attends over `Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n` (`dense_values`). Without gradient layer 0 starts one running mix
+    per receiver, which each later layer updates in place with its own values."""
 
     def __init__(self, config, layer_idx: int):
         super().__init__(config, layer_idx)
@@ -210,13 +190,13 @@ class DenseValues(ValuePath):
         self.appends = layer_idx < self.rows
         self.row = receivers.index(layer_idx) if self.mixes else -1
 
-    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         own = own_values(attention.v_proj, hidden_states, self.head_dim)
         values, residual_values = dense_values(own, residual_values, lambda_first, self.layer_idx, self.rows,
                                                mix=self.mixes, append=self.appends)
         return values, residual_values, own
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         own = own_values(attention.v_proj, hidden_states, self.head_dim)
         if self.layer_idx == 0:  # one running mix per receiver, from the whole [R, L] table
             columns = lambda_first.to(own.dtype).view(*lambda_first.shape, 1, 1, 1, 1).unbind(1)
@@ -230,8 +210,7 @@ class DenseValues(ValuePath):
 
 
 class DepthWeightedAverage(ExactBuffers):
-    """Every DWA weight of a DenseFormer: offsets [L, L + 1] from the identity; entries outside a row's sources are
-    masked out (and get no gradient)."""
+    """Every depth weight of a DenseFormer: offsets [L, L + 1] from the identity, masked to each row's sources."""
 
     def __init__(self, num_layers: int, dilation: int = 1):
         super().__init__()
@@ -290,8 +269,8 @@ class DepthStream:
 
 
 class NumericDepthStream:
-    """A pass without gradient on the CPU: α as numbers, one multiply-add per source. At decode sizes the buffer's
-    views cost more instructions than the few ops they save there."""
+    """A pass without gradient on the CPU: α as numbers, one multiply-add per source (at decode sizes the buffer's
+    views cost more than the few ops they save)."""
 
     def __init__(self, weights: list[list[float]], embeddings: torch.Tensor):
         self.weights, self.outputs, self.first = weights, [embeddings], embeddings

@@ -1,16 +1,14 @@
 """Triton kernels for the learnable mix `λ_first·V_0 + λ_self·V_n` on CUDA, forward and backward.
 
-Why: PyTorch runs an elementwise op whose operand is a 0-dim *CUDA* tensor (each λ is a view of the λ table) in its
-non-vectorised loop, the scalar broadcast with stride 0 (a Python number takes the vectorised path, but reading λ as
-numbers would wait for the GPU every step). On an H200 that loop was 1.35 of the 1.9 ms `learnable_plus` added to a
-72 ms training step. These kernels read each λ once per program and stream the values in wide blocks: the forward mix
-in place on v_proj's output (one pass, where `mul_` + `addcmul_` made two), the backward's two scaled gradients and
-λ_first's dot in one pass over dV' and V_0 (where a broadcast multiply and a dot made two).
+Why: PyTorch runs an elementwise op with a 0-dim *CUDA* operand (each λ is a view of the λ table) in its
+non-vectorised loop (a Python number would take the vectorised one, but reading λ as numbers waits for the GPU): the
+largest share of `learnable_plus`'s extra training time in the GPU kernel profile (`benchmarks/results/gpu/`). These
+read each λ once per program and stream the values in wide blocks: the forward mix in place on v_proj's output, and
+the backward's two scaled gradients with λ_first's dot in one pass over dV' and V_0.
 
-Used for contiguous CUDA tensors only (`kernels_usable`), once checked on the device; `value_residual._ProjectAndMix`'s
-torch ops are the reference and every other device's path, and `tests/test_mix_kernels.py` holds these to them on the
-CPU under Triton's interpreter (`TRITON_INTERPRET=1`). Triton is optional (CUDA builds of torch bring it): without it
-the torch ops run.
+Used for contiguous CUDA tensors once checked on the device (`kernels_usable`); `value_residual._ProjectAndMix`'s torch
+ops are the reference and every other device's path (`tests/test_mix_kernels.py` holds the kernels to them under
+`TRITON_INTERPRET=1`). Triton is optional (CUDA builds of torch bring it).
 """
 
 import functools

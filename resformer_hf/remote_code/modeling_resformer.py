@@ -62,7 +62,7 @@ from .peft_support import register_peft_target_modules
 from .projections import compute_dtype
 from .value_gate import ValueGate
 from .value_paths import value_path_for
-from .value_residual import ValueResidual, needs_value_gradients
+from .value_residual import ResidualValues, ValueResidual, needs_value_gradients
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
@@ -81,7 +81,7 @@ class ResFormerAttention(LlamaAttention):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        residual_values: torch.Tensor | None,
+        residual_values: ResidualValues,
         lambda_first: torch.Tensor | float | None,
         lambda_self: torch.Tensor | float | None,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -181,7 +181,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        residual_values: torch.Tensor | None,
+        residual_values: ResidualValues,
         lambda_first: torch.Tensor | float | None = None,
         lambda_self: torch.Tensor | float | None = None,
         shared_keys: torch.Tensor | None = None,

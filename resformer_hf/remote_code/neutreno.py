@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from .projections import compute_dtype, flat_values, is_plain_linear
-from .value_residual import FirstValues, ValuePath, ValueStep
+from .value_residual import FirstValues, PathOutput, ValuePath
 
 
 def neutreno_correction(first: torch.Tensor, own: torch.Tensor, lam: float, groups: int) -> torch.Tensor:
@@ -77,7 +77,7 @@ def corrected_output_projection(attn_output: torch.Tensor, first: torch.Tensor, 
 class NeutrenoFirstValues(FirstValues):
     """NeuTRENO's layer 0: without gradient hands on λ·V_0 as [B, T, H_kv, D], the layout of the correction."""
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         flat, raw = flat_values(attention.v_proj, hidden_states, self.head_dim)
         return raw.transpose(1, 2), raw * lambda_first, raw
 
@@ -89,7 +89,7 @@ class NeutrenoValues(ValuePath):
 
     first_values = NeutrenoFirstValues
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         flat, raw = flat_values(attention.v_proj, hidden_states, self.head_dim)
         return raw.transpose(1, 2), residual_values, raw
 

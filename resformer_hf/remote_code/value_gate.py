@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .projections import compute_dtype, flat_values, is_plain_linear, own_values, plain_linear_weight, token_major
-from .value_residual import FirstValues, ValuePath, ValueStep
+from .value_residual import FirstValues, PathOutput, ValuePath
 
 
 class ValueGate(nn.Linear):
@@ -108,7 +108,7 @@ def project_and_gate(hidden_states: torch.Tensor, v_proj: nn.Linear, value_gate:
 class GatedFirstValues(FirstValues):
     """`gated`'s layer 0: without gradient hands on V_0 as [B, T, H_kv, D], the layout its receivers lerp in."""
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         flat, raw = flat_values(attention.v_proj, hidden_states, self.head_dim)
         return raw.transpose(1, 2), raw, raw
 
@@ -134,7 +134,7 @@ class GatedValues(ValuePath):
         gate = attention.value_gate
         return torch.sigmoid(gate(hidden_states.to(gate.weight.dtype)).float()) + self.shift
 
-    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         v_proj, gate = attention.v_proj, attention.value_gate
         if torch.compiler.is_compiling() or not (is_plain_linear(v_proj) and is_plain_linear(gate, ValueGate)):
             # Compiled, plain ops keep V_n, less than the h the fused op keeps (a compiled Llama recomputes h).
@@ -144,7 +144,7 @@ class GatedValues(ValuePath):
         mixed = project_and_gate(hidden_states, v_proj, gate, residual_values, self.shift, self.head_dim)
         return mixed, residual_values, None
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         shape = hidden_states.shape
         flat_hidden = hidden_states.reshape(-1, shape[-1])
         weight, gate = plain_linear_weight(attention.v_proj), attention.value_gate

@@ -209,8 +209,11 @@ def needs_value_gradients(model: nn.Module, inputs_embeds: torch.Tensor) -> bool
 
 # ---- value paths ----------------------------------------------------------------------------------------------------
 
-#: (values attention attends over [B, H_kv, T, D], residual values for later layers, what `project_output` reads)
-ValueStep = tuple[torch.Tensor, object, object]
+#: What a layer hands on to later layers: V_0 with a gradient; without one, whatever its variant's receivers mix with
+#: fastest (`FirstValues`). Only the variant's own paths read it; the decoder loop passes it on unopened.
+ResidualValues = object
+#: A value path's (values attention attends over [B, H_kv, T, D], residual values handed on, what project_output reads)
+PathOutput = tuple[torch.Tensor, ResidualValues, object]
 
 #: Up to this many tokens (a decode step, a speculative draft) layer 0 scales V_0 for all R receivers in one op;
 #: beyond it (prefill) each receiver scales V_0 when it runs, holding one scaled copy at a time instead of R.
@@ -246,7 +249,7 @@ class ValuePath:
         """Add or drop the attention modules this path needs; called once, when the attention is built."""
 
     def __call__(self, attention: nn.Module, hidden_states: torch.Tensor, residual_values, lambda_first, lambda_self,
-                 gradients: bool) -> ValueStep:
+                 gradients: bool) -> PathOutput:
         """The layer's values from its normalised input, with its λ from `ValueResidual`: with `gradients` views of
         the λ table (the floats where fixed); without, a `LayerMix`'s two fields."""
         if gradients:
@@ -255,15 +258,14 @@ class ValuePath:
             return self.with_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
         return self.without_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
 
-    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         own = own_values(attention.v_proj, hidden_states, self.head_dim)
         return own, residual_values, own
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         return self.with_gradient(attention, hidden_states, residual_values, lambda_first, lambda_self)
 
-    def project_output(self, attention: nn.Module, attn_output: torch.Tensor, input_shape, residual_values, own,
-                       gradients: bool) -> torch.Tensor:
+    def project_output(self, attention, attn_output, input_shape, residual_values, own, gradients) -> torch.Tensor:
         """o_proj of the attention output ([B, T, H_q, D]; vLLM's [T, H_q·D]), as Llama does."""
         return attention.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
 
@@ -273,11 +275,11 @@ class FirstValues(ValuePath):
     receivers mix with fastest: the [B·T, H_kv·D] matrix its GEMM wrote (λ as numbers), or λ_first·V_0 per receiver
     (λ as tensors; scaled when asked for beyond `BATCHED_SCALING_MAX_TOKENS`)."""
 
-    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         own = own_values(attention.v_proj, hidden_states, self.head_dim)
         return own, own, own
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         if isinstance(lambda_first, float):
             flat, raw = flat_values(attention.v_proj, hidden_states, self.head_dim)
             return raw.transpose(1, 2), flat, raw
@@ -299,12 +301,12 @@ class MixedValues(ValuePath):
         super().__init__(config, layer_idx)
         self.row = config.value_residual_receivers.index(layer_idx)  #: index among the receivers
 
-    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         mixed = project_and_mix(hidden_states, attention.v_proj, residual_values, (lambda_first, lambda_self),
                                 self.head_dim)
         return mixed, residual_values, None
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         if not isinstance(lambda_first, float):  # λ_first·V_0 already scaled by layer 0
             own = own_values(attention.v_proj, hidden_states, self.head_dim)
             return torch.addcmul(residual_values[self.row], own, lambda_self), residual_values, None
@@ -322,7 +324,7 @@ class MixedValues(ValuePath):
 class SVFormerFirstValues(FirstValues):
     """SVFormer's layer 0: hands on V_0 itself, which later layers attend over."""
 
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         flat, raw = flat_values(attention.v_proj, hidden_states, self.head_dim)
         own = raw.transpose(1, 2)
         return own, own, raw
@@ -336,7 +338,7 @@ class SVFormerValues(ValuePath):
     def attach(self, attention: nn.Module) -> None:
         attention.v_proj = None
 
-    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> ValueStep:
+    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
         return residual_values, residual_values, None
 
 
