@@ -42,6 +42,7 @@ from ..remote_code.modeling_resformer import (
     ResFormerForTokenClassification,
     ResFormerModel,
 )
+from .asgi import answer_json, read_body, replay, with_length
 from .checks import (
     CHOICE_ENDPOINTS,
     GENERATION_ENDPOINTS,
@@ -54,7 +55,7 @@ from .checks import (
     out_of_vocabulary,
     text_messages,
 )
-from .fanout import answer_json, fan_out, part_bodies, with_length
+from .fanout import fan_out, part_bodies
 from .sampling import batching_problem, per_request_manager, sampling_handler, seeded_manager
 
 PLUGIN_CLASSES = (
@@ -117,14 +118,14 @@ class RequestChecks:
             await self.app(scope, receive, send)
             return
         scope, send = _own_request_id(scope, send)
-        raw, messages = await _read_body(receive)
+        raw, messages = await read_body(receive)
         facts = await self._model_facts()
         plan = await asyncio.to_thread(check_request, scope["path"], raw, facts, self.batching)
         if isinstance(plan, str):
             await answer_json(send, 400, {"error": {"message": plan, "type": "invalid_request_error"}})
             return
         if plan is None:  # not a JSON object: the app's own answer
-            await self.app(scope, _replay(messages, receive), send)
+            await self.app(scope, replay(messages, receive), send)
             return
         if plan.choices > 1:
             prompts = plan.prompts if scope["path"] == "/v1/completions" else None
@@ -133,7 +134,7 @@ class RequestChecks:
             return
         body = json.dumps(plan.body).encode()
         scope = {**scope, "headers": with_length(scope.get("headers", []), body)}
-        await self.app(scope, _replay([{"type": "http.request", "body": body}], receive), send)
+        await self.app(scope, replay([{"type": "http.request", "body": body}], receive), send)
 
     async def _model_facts(self) -> ModelFacts:
         async with self._facts_lock:
@@ -273,28 +274,6 @@ def _own_request_id(scope: dict, send: Callable) -> tuple[dict, Callable]:
         await send(message)
 
     return {**scope, "headers": [*headers, (b"x-request-id", own)]}, echoing
-
-
-async def _read_body(receive: Callable) -> tuple[bytes, list[dict]]:
-    chunks, messages = [], []
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks), messages
-
-
-def _replay(messages: list[dict], receive: Callable) -> Callable:
-    pending = list(messages)
-
-    async def replayed() -> dict:
-        return pending.pop(0) if pending else await receive()
-
-    return replayed
 
 
 @contextlib.contextmanager
