@@ -6,8 +6,9 @@
 `expose_plugin_classes` makes the plugin's classes such attributes, in this process only; the server's own code is
 then used unchanged, every option included.
 
-`checked_requests` adds what the server lacks, through its seams (the `uvicorn.Config` and `uvicorn.Server` it builds,
-its completion handler and generation state classes, all looked up when the server is built):
+`checked_requests` adds what the server lacks, through its seams: eight classes it looks up when it is built
+(`uvicorn.Config` and `uvicorn.Server`, its generation state, its three request handlers and two generation
+managers), each replaced by a subclass while the server runs (the one table in `checked_requests`). They add:
 
 - `RequestChecks`, an ASGI middleware: a request the model cannot run or that the server would misread gets a 400
   with a message (`checks`), checked off the event loop (a 5 MB prompt does not stall `/health`); `n` > 1
@@ -276,55 +277,74 @@ def _own_request_id(scope: dict, send: Callable) -> tuple[dict, Callable]:
     return {**scope, "headers": [*headers, (b"x-request-id", own)]}, echoing
 
 
+def _checking_config(base: type, checks: Callable[[Any], Any]) -> type:
+    """`base` (`uvicorn.Config`) serving `checks(app)` in front of the app it is given."""
+
+    class CheckedConfig(base):
+        def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(checks(app), *args, **kwargs)
+
+    return CheckedConfig
+
+
+def _recording(base: type, state: ServerState, attribute: str) -> type:
+    """`base` setting `state.<attribute>` to each instance it makes: the server builds them inside one constructor and
+    keeps them to itself, and the watchdog and the shutdown need them."""
+
+    class Recorded(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            setattr(state, attribute, self)
+
+    Recorded.__name__ = Recorded.__qualname__ = f"Recorded{base.__name__}"
+    return Recorded
+
+
+@contextlib.contextmanager
+def _replaced(replacements: list[tuple[Any, str, type]]) -> Iterator[None]:
+    """Each (module, name, replacement): `module.name` is `replacement` while in the block, the original after."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in replacements]
+    for module, name, replacement in replacements:
+        setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
 @contextlib.contextmanager
 def checked_requests(model_source: str, batching: bool = False) -> Iterator[ServerState]:
     """While in the block, the server `transformers serve` builds runs behind `RequestChecks`, serves token-id
     prompts, samples as OpenAI's API defines (`sampling`), and is stopped if its continuous-batching worker
     dies (the yielded state says so afterwards). `batching`: the server is started with --continuous-batching.
 
-    `transformers serve` builds its app, its `uvicorn.Config` and `uvicorn.Server` and its handlers inside one
-    constructor; subclasses of those, put where it looks them up, are the public seams between them, the same on
-    every supported release."""
+    `transformers serve` builds its app, its `uvicorn.Config` and `uvicorn.Server`, its generation state and its
+    handlers inside one constructor, looking each class up in its module; a subclass put there is the one seam
+    between them, the same on every supported release. Every class replaced is in the one table below."""
     import uvicorn
     from transformers.cli.serving import chat_completion, completion, response, utils
 
     state = ServerState()
-    original_config, original_server = uvicorn.Config, uvicorn.Server
-    #: (module, name, replacement) of each server class replaced while in the block
-    replaced = [(completion, "CompletionHandler", sampling_handler(token_ids_completion_handler(
-                    completion.CompletionHandler))),
-                (chat_completion, "ChatCompletionHandler", sampling_handler(chat_completion.ChatCompletionHandler)),
-                (response, "ResponseHandler", sampling_handler(response.ResponseHandler)),
-                (utils, "GenerateManager", seeded_manager(utils.GenerateManager)),
-                (utils, "CBGenerateManager", per_request_manager(utils.CBGenerateManager))]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
-    original_generation = utils.GenerationState
 
-    class CheckedConfig(original_config):
-        def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(RequestChecks(app, model_source, state, batching), *args, **kwargs)
+    def checked(app: Any) -> RequestChecks:
+        return RequestChecks(app, model_source, state, batching)
 
-    class WatchedServer(original_server):
-        def __init__(self, config: Any) -> None:
-            super().__init__(config)
-            state.server = self
-
-    class RecordedGenerationState(original_generation):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            state.generation_state = self
-
-    uvicorn.Config, uvicorn.Server = CheckedConfig, WatchedServer
-    utils.GenerationState = RecordedGenerationState
-    for module, name, replacement in replaced:
-        setattr(module, name, replacement)
+    token_ids_handler = token_ids_completion_handler(completion.CompletionHandler)
+    replacements = [
+        (uvicorn, "Config", _checking_config(uvicorn.Config, checked)),
+        (uvicorn, "Server", _recording(uvicorn.Server, state, "server")),
+        (utils, "GenerationState", _recording(utils.GenerationState, state, "generation_state")),
+        (completion, "CompletionHandler", sampling_handler(token_ids_handler)),
+        (chat_completion, "ChatCompletionHandler", sampling_handler(chat_completion.ChatCompletionHandler)),
+        (response, "ResponseHandler", sampling_handler(response.ResponseHandler)),
+        (utils, "GenerateManager", seeded_manager(utils.GenerateManager)),
+        (utils, "CBGenerateManager", per_request_manager(utils.CBGenerateManager)),
+    ]
     try:
-        yield state
+        with _replaced(replacements):
+            yield state
     finally:
-        uvicorn.Config, uvicorn.Server = original_config, original_server
-        utils.GenerationState = original_generation
-        for module, name, original in originals:
-            setattr(module, name, original)
         if state.generation_state is not None:
             # The server never stops its continuous-batching thread, which is not a daemon: without this the process
             # outlives its server (after SIGTERM too) until it is killed.
