@@ -44,20 +44,9 @@ from ..remote_code.modeling_resformer import (
     ResFormerModel,
 )
 from .asgi import answer_json, read_body, replay, with_length
-from .checks import (
-    CHOICE_ENDPOINTS,
-    GENERATION_ENDPOINTS,
-    Plan,
-    completion_prompts,
-    count_tokens,
-    field_problem,
-    length_problem,
-    messages_problem,
-    out_of_vocabulary,
-    text_messages,
-)
+from .checks import GENERATION_ENDPOINTS, ModelFacts, check_request, load_model_facts
 from .fanout import fan_out, part_bodies
-from .sampling import batching_problem, per_request_manager, sampling_handler, seeded_manager
+from .sampling import per_request_manager, sampling_handler, seeded_manager
 
 PLUGIN_CLASSES = (
     ResFormerModel,
@@ -88,13 +77,6 @@ class ServerState:
     server: Any = None
     generation_state: Any = None
     worker_died: str | None = None
-
-
-@dataclass
-class ModelFacts:
-    tokenizer: Any
-    context: int | None
-    vocab_size: int | None
 
 
 class RequestChecks:
@@ -167,62 +149,6 @@ class RequestChecks:
                     server.config.timeout_graceful_shutdown = 10
                     server.should_exit = True
                 return
-
-
-def load_model_facts(model_source: str) -> ModelFacts:
-    from transformers import AutoConfig, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_source)
-    config = AutoConfig.from_pretrained(model_source)
-    config = getattr(config, "get_text_config", lambda: config)()
-    return ModelFacts(tokenizer, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
-
-
-def check_request(path: str, raw: bytes, facts: ModelFacts, batching: bool = False) -> Plan | str | None:
-    """The checked request (`Plan`), the message of a 400, or None for a body that is not a JSON object.
-    `batching`: the server runs with continuous batching (`batching_problem`)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(body, dict):
-        return None
-    problem = field_problem(path, body) or (batching_problem(body) if batching else None)
-    if problem is not None:
-        return problem
-    requested = next((body[name] for name in GENERATION_ENDPOINTS[path] if body.get(name) is not None), None)
-    n = (body.get("n") or 1) if path in CHOICE_ENDPOINTS else 1
-    if path == "/v1/responses":
-        return Plan(body)
-    if path == "/v1/chat/completions":
-        return messages_problem(body) or _chat_length_problem(body, facts, requested) or Plan(body, n=n)
-    prompts = completion_prompts(body)
-    if isinstance(prompts, str):
-        return prompts
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            tokens, exact = count_tokens(facts.tokenizer, prompt, facts.context)
-            problem = length_problem(tokens, exact, facts.context, requested)
-        else:
-            problem = out_of_vocabulary(prompt, facts.vocab_size) or length_problem(
-                len(prompt), True, facts.context, requested)
-        if problem is not None:
-            return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
-    return Plan({**body, "prompt": prompts[0]} if len(prompts) == 1 else body, prompts, n)
-
-
-def _chat_length_problem(body: dict, facts: ModelFacts, requested: int | None) -> str | None:
-    tokenizer = facts.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        return (f"{tokenizer.name_or_path} has no chat template: use /v1/completions with a plain prompt, or add a "
-                "chat_template to its tokenizer_config.json")
-    try:
-        text = tokenizer.apply_chat_template(text_messages(body["messages"]), add_generation_prompt=True,
-                                             tokenize=False)
-    except Exception:  # noqa: BLE001 - a template error is the server's to report
-        return None
-    tokens, exact = count_tokens(tokenizer, text, facts.context, add_special_tokens=False)
-    return length_problem(tokens, exact, facts.context, requested)
 
 
 def token_ids_inputs(ids: list[int], use_cb: bool, device: Any):
