@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 
 from resformer_hf.serving.checks import (
     MAX_CHOICES,
+    ModelFacts,
     completion_prompts,
     count_tokens,
     field_problem,
@@ -22,7 +23,7 @@ from resformer_hf.serving.checks import (
 )
 from resformer_hf.serving.fanout import fan_out, part_bodies
 from resformer_hf.serving.sampling import batching_problem, openai_sampling, per_request_sampling
-from resformer_hf.serving.server import ModelFacts, RequestChecks
+from resformer_hf.serving.server import RequestChecks
 from resformer_hf.text import sample_text, train_tokenizer
 
 

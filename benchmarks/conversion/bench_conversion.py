@@ -1,6 +1,6 @@
 """Cost of `resformer-convert`: peak memory and throughput on a synthetic ~1B-parameter sharded Llama checkpoint.
 
-Goals (issue 5): peak RSS <= 1.5 x the largest shard (the converter streams one shard at a time), and throughput
+Goals: peak RSS <= 1.5 x the largest shard (the converter streams one shard at a time), and throughput
 >= 0.5 x a plain file copy of the same bytes (`shutil.copyfile`, i.e. the kernel's copy), timed round-robin in the
 same run so both see the same disk and page cache.
 

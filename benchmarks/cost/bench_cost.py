@@ -2,10 +2,10 @@
 
 For every size and sequence length, HF `LlamaForCausalLM` and each ResFormer variant of the same size are built from
 the same seed and timed round-robin in the same process (medians), so the reported ratios survive a busy machine.
-The goals (issue 15): training memory <= 1.005 of Llama's (`dense`, which must keep every layer's values: 1.03), step
+The goals: training memory <= 1.005 of Llama's (`dense`, which must keep every layer's values: 1.03), step
 and prefill time <= 1.02 at the smallest size and <= 1.01 from hidden 512 (`dense`: 1.05), and under `torch.compile`
 a training step and a decode step (static KV cache) <= 1.01 of compiled Llama's; eager decode without gradient (the
-no-grad path of issue 21) <= 1.01 (`dense` 1.03, SVFormer below 1), with the exact ops each decode step adds.
+no-grad path) <= 1.01 (`dense` 1.03, SVFormer below 1), with the exact ops each decode step adds.
 
     python -m benchmarks.cost.bench_cost                            # CPU defaults, also rewrites the README block
     python -m benchmarks.cost.bench_cost --device cuda --sizes 512x8 1024x12 --seq-lens 1024 2048 --batch-size 8
@@ -14,7 +14,7 @@ Memory: on CUDA the peak allocated bytes of a training step (`torch.cuda.max_mem
 keeps no allocator statistics, the exact bytes a training step must hold at its peak: parameters, gradients, AdamW
 state and every tensor autograd saves for the backward pass (counted once per storage with saved-tensor hooks).
 
-Instructions (issue 32): callgrind counts each variant's and Llama's instructions per eager decode step, compiled
+Instructions: callgrind counts each variant's and Llama's instructions per eager decode step, compiled
 decode step and prefill (`instruction_report.py`, `instructions.py`): deterministic, unlike the timings. Goals for
 both decode steps: 1.01 of Llama's, `dense` 1.03, NeuTRENO 1.02, SVFormer 1.00.
 

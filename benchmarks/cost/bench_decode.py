@@ -9,7 +9,7 @@ ratios survive a busy machine. Three ways of decoding, all greedy and without gr
 - `generate()`: prompt + new tokens with the default dynamic cache (prefill included), reported as time per call,
   i.e. Llama's tokens/s divided by the variant's.
 
-The goal (issue 21): every mixing variant <= 1.01 of Llama's time, `dense` <= 1.03, SVFormer below 1. Ops: the aten ops
+The goal: every mixing variant <= 1.01 of Llama's time, `dense` <= 1.03, SVFormer below 1. Ops: the aten ops
 one eager decode step dispatches beyond Llama's (dynamic cache, batch 1), counted exactly with a dispatch mode, so
 independent of machine load; `tests/test_decode_ops.py` asserts their budget.
 
@@ -49,7 +49,7 @@ MODES = ("eager decode", "compiled decode", "generate")
 
 
 def goal(name: str) -> float:
-    """The time ratio to Llama a variant should stay within (issue 21); cells above it are bold."""
+    """The time ratio to Llama a variant should stay within; cells above it are bold."""
     if name in VARIANTS and VARIANTS[name].drops_value_projections:
         return 1.0
     return 1.03 if name in VARIANTS and VARIANTS[name].keeps_every_layers_values else 1.01

@@ -20,7 +20,8 @@ from benchmarks.common import BASELINE, markdown_table
 from benchmarks.cost.instructions import KINDS, Job, count_instructions
 from benchmarks.cost.settings import goal
 
-#: Cached tokens before each counted decode step, and prompt length of the counted prefill (the issue's setting).
+#: Cached tokens before each counted decode step, and prompt length of the counted prefill: the setting
+#: `tests/test_decode_instructions.py` gates, so the report and the gate count the same step.
 CONTEXT = 64
 
 

@@ -1,7 +1,7 @@
 """Instructions per call, counted by valgrind's callgrind: the cost of a step that machine load cannot move.
 
 Timings on a shared machine move by several percent between two identical Llamas; the number of instructions a
-decode step executes does not (issue 32). One valgrind process measures a whole list of models: everything is built,
+decode step executes does not. One valgrind process measures a whole list of models: everything is built,
 compiled and warmed up with instrumentation off, then instrumentation is switched on once and each call is counted,
 `number` calls per count, collection switched on and off around exactly those calls
 (`torch._C._valgrind_toggle`, as `torch.utils.benchmark.Timer.collect_callgrind` does, but without its one process per

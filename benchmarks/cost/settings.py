@@ -12,7 +12,7 @@ from resformer_hf.remote_code.configuration_resformer import PER_TOKEN, VARIANTS
 
 
 def goal(metric: str, variant: str, hidden: int) -> float:
-    """The ratio to Llama a variant should stay within (issues 15, 21, 32); cells above it are bold.
+    """The ratio to Llama a variant should stay within; cells above it are bold.
 
     Decode steps (eager or compiled, timed or counted in instructions): 1.01, `dense` 1.03, NeuTRENO 1.02 and SVFormer
     1.00 (it has fewer ops than Llama), `gated` 1.05: 1.01 plus its four ops per gated layer (the gate's GEMM, `t`

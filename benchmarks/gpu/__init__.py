@@ -1,1 +1,1 @@
-"""The prepared GPU run (issue 40); see `__main__.py`."""
+"""The prepared GPU run; see `__main__.py`."""

@@ -1,7 +1,7 @@
-"""The GPU run (issue 40): correctness, training speed and memory, decoding and SVFormer's serving capacity on one
+"""The GPU run: correctness, training speed and memory, decoding and SVFormer's serving capacity on one
 CUDA GPU, every variant against a same-shape HF `LlamaForCausalLM` in the same process.
 
-It installs nothing. On a lent GPU machine (torch 2.11 there; transformers 5.24.0 carried as a wheel, with whatever
+It installs nothing. On a lent GPU machine (torch there; transformers 5.24.0 carried as a wheel, with whatever
 that machine lacks), from the repository root:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
@@ -16,9 +16,9 @@ their share is spent and record what they skipped. Then, here:
 `--smoke` runs every part at toy size on the CPU in about a minute (compiling with dynamo's eager backends): CI runs
 it (tests/test_gpu_run.py), so the prepared command never rots between the sessions that have a GPU.
 
-Part `pretrain` (issue 48, `pretrain.py`; not in the default run: it needs a whole device session) pre-trains Llama
-and `learnable_plus` at 82M parameters on 100M tokens each: about 9 to 10 minutes on an H100 or H200 with its data
-and compiling (estimated from the 134M training step's 360k tokens/s in gpu.md; not yet run), so plan two calls.
+Part `pretrain` (`pretrain.py`; not in the default run: it needs a whole device session) pre-trains Llama and
+`learnable_plus` at 82M parameters on 100M tokens each: with its data and compiling, more than one call's
+`--seconds 540` (docs/results.md has the estimate), so plan two calls.
 Carry `.whl` (transformers 5.24.0's wheel: `python3 -m pip download --no-deps --only-binary=:all: -d .whl
 transformers==5.24.0` here) and run, with timeout_s 600:
 

@@ -9,8 +9,8 @@ same rounds:
 - Capacity: continuous batching (`generate_batch`, the plugin's paged cache) at one KV-cache budget, sized to hold
   `LLAMA_SEQUENCES` 8k-token sequences of a Llama: how many such sequences the engine's cache holds for each model,
   and the tokens/s that come out when twice SVFormer's capacity of requests are queued, each generating 256 tokens
-  (with 64, an H200 gave SVFormer 0.90x Llama's tokens/s while holding 1.75x the sequences: the prefills of 8k-token
-  prompts weigh as much for both). Goal: SVFormer holds and serves at least 1.6x Llama's (2L/(L+1) = 1.85 at 12
+  (enough that decoding, where holding more sequences pays, outweighs the prefills of 8k-token prompts, which cost
+  both models alike). Goal: SVFormer holds and serves at least 1.6x Llama's (2L/(L+1) = 1.85 at 12
   layers is the bound).
 """
 

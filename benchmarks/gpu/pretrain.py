@@ -1,4 +1,4 @@
-"""Part `pretrain` of the GPU run (issue 48): Llama and ResFormer `learnable_plus` pre-trained from the same initial
+"""Part `pretrain` of the GPU run: Llama and ResFormer `learnable_plus` pre-trained from the same initial
 weights on the same batches at the paper's smallest scale, and the paper's metric read off their validation curves.
 
 Model: hidden 768, 8 layers, 12 heads, MLP 2048, a 32,768-token byte-level BPE with tied embeddings: 81.8M parameters

@@ -1,4 +1,4 @@
-"""The pre-training comparison's text (issue 48): the Python source files of the running interpreter's own installation
+"""The pre-training comparison's text: the Python source files of the running interpreter's own installation
 (its standard library and every installed package), which any machine that runs the comparison holds, offline.
 
 Files are deduplicated by content and ordered by the SHA-256 of their bytes, not by path, so the order, the split

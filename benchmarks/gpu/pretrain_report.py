@@ -1,4 +1,4 @@
-"""The pre-training comparison (part `pretrain`, issue 48) as gpu.md reports it, its plot, and its finished arms in the
+"""The pre-training comparison (part `pretrain`) as gpu.md reports it, its plot, and its finished arms in the
 study store: read from the JSON lines of one or more runs (a run stopped at its deadline and the call that continued
 it, or a later call that added arms), each arm compared with the Llama of its own seed."""
 

@@ -12,8 +12,8 @@ training should.
 
 Memory is what `torch.cuda.max_memory_allocated` would read with only that model on the device: its parameters and
 optimiser state (resident), plus the peak a step allocates beyond what was allocated before it (activations,
-gradients, the loss's float32 logits). The goals (issue 40): mixing variants at most 1.02 of Llama's time and 1.005
-of its memory, `dense` 1.05 / 1.03, SVFormer below 1 on both; issue 46's: eager identity, constant, learnable,
+gradients, the loss's float32 logits). The goals: mixing variants at most 1.02 of Llama's time and 1.005 of its
+memory, `dense` 1.05 / 1.03, SVFormer below 1 on both; eager time per variant: identity, constant, learnable,
 learnable_plus, sparse ≤ 1.02, gated and NeuTRENO ≤ 1.03, `dense` ≤ 1.05, DenseFormer ≤ 1.10; compiled every mixing
 variant ≤ 1.01 time and ≤ 1.005 memory (`dense` ≤ 1.03). Where one is missed, one profiled step of it and of Llama
 gives the kernel families that differ.

@@ -14,15 +14,14 @@ For each budget, the models run in interleaved rounds (the order rotated each ro
 `generate_batch`), the sequences the cache holds, the concurrency per engine step (active requests) and the median
 time of a step at each concurrency. The attention is whatever transformers' continuous batching picks on the device
 (flash paged attention where flash-attn is installed, CUDA graphs where the attention needs no mask); each run
-records it. Goal on an H100/H200: SVFormer >= 1.6x Llama's tokens/s at the tightest budget, beside the ideal 2L/(L+1).
+records it. Goal on a GPU: SVFormer >= 1.6x Llama's tokens/s at the tightest budget, beside the ideal 2L/(L+1).
 
 On a lent GPU machine, as the GPU run (`benchmarks/gpu/__main__.py`) is prepared: torch there, transformers 5.24.0
-carried as a wheel in `.whl/`, one command from the repository root. Its one run so far (H200, 2026-11-27, 512
-new tokens then) measured 65-70 ms an engine step at 7-10 sequences, flat in the batch size: transformers' continuous
-batching without CUDA graphs is bound by the host, not by the weights (the 12 ms estimated before), and only
-SVFormer's first round fitted in 185 s. At 128 new tokens a budget takes about 150 s (a warm-up and two rounds of
-each model), the run about 5 minutes. `--seconds` (default 480) caps it: a round that would not fit is recorded as
-skipped, and every result is a JSON line flushed as it is measured, so a run cut short keeps what it measured:
+carried as a wheel in `.whl/`, one command from the repository root. 128 new tokens a request keep both budgets'
+warm-ups and rounds inside one device call at the step time transformers' continuous batching takes on a GPU
+(host-bound, flat in the batch size: docs/serving.md). `--seconds` (default 480) caps it: a round that would not
+fit is recorded as skipped, and every result is a JSON line flushed as it is measured, so a run cut short keeps what
+it measured:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 -m benchmarks.serving.bench_capacity --out $OUT

@@ -1,3 +1,3 @@
 """`resformer-serve`: what it adds to `transformers serve`, one concern a module: the server's patches (`server`),
 request checks that answer 400 (`checks`), `n` > 1 and lists of prompts (`fanout`), OpenAI's sampling semantics
-(`sampling`)."""
+(`sampling`), and the ASGI plumbing every request goes through: its body, its content-length, answers (`asgi`)."""

@@ -3,8 +3,8 @@
 `transformers serve` answers some requests it cannot run with a 500 or a crashed continuous-batching worker (no
 prompt, a prompt of 0 tokens), reads others in a way the OpenAI API does not define (a negative temperature served
 greedily, `n` ignored) and refuses token-id prompts that the API allows. Each function here returns the message of a
-400, or the request in the one form the server is then given. Plain functions of the parsed body and a tokenizer, so
-that `server` runs them off the event loop.
+400, or the request in the one form the server is then given; `check_request` runs them all on one request. Plain
+functions of the body and the model's tokenizer and sizes, so that `server` runs them off the event loop.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from .sampling import batching_problem
 
 #: The endpoints whose bodies are checked, and the fields that bound the number of new tokens there.
 GENERATION_ENDPOINTS = {
@@ -168,15 +170,84 @@ def text_messages(messages: list[dict]) -> list[dict]:
     return result
 
 
+
+@dataclass
+class ModelFacts:
+    """What the checks need of the served model, loaded once: its tokenizer, context and vocabulary size."""
+
+    tokenizer: Any
+    context: int | None
+    vocab_size: int | None
+
+
+def load_model_facts(model_source: str) -> ModelFacts:
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_source)
+    config = AutoConfig.from_pretrained(model_source)
+    config = getattr(config, "get_text_config", lambda: config)()
+    return ModelFacts(tokenizer, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
+
+
+def check_request(path: str, raw: bytes, facts: ModelFacts, batching: bool = False) -> Plan | str | None:
+    """The checked request (`Plan`), the message of a 400, or None for a body that is not a JSON object.
+    `batching`: the server runs with continuous batching (`batching_problem`)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    problem = field_problem(path, body) or (batching_problem(body) if batching else None)
+    if problem is not None:
+        return problem
+    requested = next((body[name] for name in GENERATION_ENDPOINTS[path] if body.get(name) is not None), None)
+    n = (body.get("n") or 1) if path in CHOICE_ENDPOINTS else 1
+    if path == "/v1/responses":
+        return Plan(body)
+    if path == "/v1/chat/completions":
+        return messages_problem(body) or _chat_length_problem(body, facts, requested) or Plan(body, n=n)
+    prompts = completion_prompts(body)
+    if isinstance(prompts, str):
+        return prompts
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            tokens, exact = count_tokens(facts.tokenizer, prompt, facts.context)
+            problem = length_problem(tokens, exact, facts.context, requested)
+        else:
+            problem = out_of_vocabulary(prompt, facts.vocab_size) or length_problem(
+                len(prompt), True, facts.context, requested)
+        if problem is not None:
+            return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
+    return Plan({**body, "prompt": prompts[0]} if len(prompts) == 1 else body, prompts, n)
+
+
+def _chat_length_problem(body: dict, facts: ModelFacts, requested: int | None) -> str | None:
+    tokenizer = facts.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        return (f"{tokenizer.name_or_path} has no chat template: use /v1/completions with a plain prompt, or add a "
+                "chat_template to its tokenizer_config.json")
+    try:
+        text = tokenizer.apply_chat_template(text_messages(body["messages"]), add_generation_prompt=True,
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template error is the server's to report
+        return None
+    tokens, exact = count_tokens(tokenizer, text, facts.context, add_special_tokens=False)
+    return length_problem(tokens, exact, facts.context, requested)
+
+
 __all__ = [
     "CHOICE_ENDPOINTS",
     "GENERATION_ENDPOINTS",
     "MAX_CHOICES",
+    "ModelFacts",
     "Plan",
+    "check_request",
     "completion_prompts",
     "count_tokens",
     "field_problem",
     "length_problem",
+    "load_model_facts",
     "messages_problem",
     "out_of_vocabulary",
     "text_messages",

@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .asgi import answer, answer_json, with_length
+
 App = Callable[..., Awaitable[None]]
 
 
@@ -32,12 +34,6 @@ def _part_scope(scope: dict, body: bytes, request_id: str) -> dict:
     headers = with_length(scope.get("headers", []), body, dropped=(b"content-length", b"x-request-id"))
     headers.append((b"x-request-id", request_id.encode()))
     return {**scope, "headers": headers, "state": dict(scope.get("state") or {})}
-
-
-def with_length(headers: list, body: bytes, dropped: tuple[bytes, ...] = (b"content-length",)) -> list:
-    """`headers` without those named in `dropped` (lower case), then the content-length of `body`."""
-    kept = [(key, value) for key, value in headers if key.lower() not in dropped]
-    return [*kept, (b"content-length", str(len(body)).encode())]
 
 
 def request_id(scope: dict) -> str:
@@ -68,17 +64,6 @@ async def _watch_client(receive: Callable, gone: asyncio.Event) -> None:
         if message["type"] == "http.disconnect":
             gone.set()
             return
-
-
-async def answer(send: Callable, status: int, headers: list, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def answer_json(send: Callable, status: int, payload: dict) -> None:
-    body = json.dumps(payload).encode()
-    await answer(send, status, [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-                 body)
 
 
 async def fan_out(app: App, scope: dict, receive: Callable, send: Callable, parts: list[dict], n: int,
@@ -239,4 +224,4 @@ def _renumbered(event: bytes, index: int) -> tuple[dict | None, dict | None]:
     return chunk, usage
 
 
-__all__ = ["answer_json", "call_app", "fan_out", "part_bodies", "with_length"]
+__all__ = ["call_app", "fan_out", "part_bodies"]

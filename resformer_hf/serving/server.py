@@ -6,8 +6,9 @@
 `expose_plugin_classes` makes the plugin's classes such attributes, in this process only; the server's own code is
 then used unchanged, every option included.
 
-`checked_requests` adds what the server lacks, through its seams (the `uvicorn.Config` and `uvicorn.Server` it builds,
-its completion handler and generation state classes, all looked up when the server is built):
+`checked_requests` adds what the server lacks, through its seams: eight classes it looks up when it is built
+(`uvicorn.Config` and `uvicorn.Server`, its generation state, its three request handlers and two generation
+managers), each replaced by a subclass while the server runs (the one table in `checked_requests`). They add:
 
 - `RequestChecks`, an ASGI middleware: a request the model cannot run or that the server would misread gets a 400
   with a message (`checks`), checked off the event loop (a 5 MB prompt does not stall `/health`); `n` > 1
@@ -42,20 +43,10 @@ from ..remote_code.modeling_resformer import (
     ResFormerForTokenClassification,
     ResFormerModel,
 )
-from .checks import (
-    CHOICE_ENDPOINTS,
-    GENERATION_ENDPOINTS,
-    Plan,
-    completion_prompts,
-    count_tokens,
-    field_problem,
-    length_problem,
-    messages_problem,
-    out_of_vocabulary,
-    text_messages,
-)
-from .fanout import answer_json, fan_out, part_bodies, with_length
-from .sampling import batching_problem, per_request_manager, sampling_handler, seeded_manager
+from .asgi import answer_json, read_body, replay, with_length
+from .checks import GENERATION_ENDPOINTS, ModelFacts, check_request, load_model_facts
+from .fanout import fan_out, part_bodies
+from .sampling import per_request_manager, sampling_handler, seeded_manager
 
 PLUGIN_CLASSES = (
     ResFormerModel,
@@ -88,13 +79,6 @@ class ServerState:
     worker_died: str | None = None
 
 
-@dataclass
-class ModelFacts:
-    tokenizer: Any
-    context: int | None
-    vocab_size: int | None
-
-
 class RequestChecks:
     """ASGI middleware in front of the server's app (see the module docstring). Malformed JSON goes to the app
     unchanged (it answers 422 itself)."""
@@ -117,14 +101,14 @@ class RequestChecks:
             await self.app(scope, receive, send)
             return
         scope, send = _own_request_id(scope, send)
-        raw, messages = await _read_body(receive)
+        raw, messages = await read_body(receive)
         facts = await self._model_facts()
         plan = await asyncio.to_thread(check_request, scope["path"], raw, facts, self.batching)
         if isinstance(plan, str):
             await answer_json(send, 400, {"error": {"message": plan, "type": "invalid_request_error"}})
             return
         if plan is None:  # not a JSON object: the app's own answer
-            await self.app(scope, _replay(messages, receive), send)
+            await self.app(scope, replay(messages, receive), send)
             return
         if plan.choices > 1:
             prompts = plan.prompts if scope["path"] == "/v1/completions" else None
@@ -133,7 +117,7 @@ class RequestChecks:
             return
         body = json.dumps(plan.body).encode()
         scope = {**scope, "headers": with_length(scope.get("headers", []), body)}
-        await self.app(scope, _replay([{"type": "http.request", "body": body}], receive), send)
+        await self.app(scope, replay([{"type": "http.request", "body": body}], receive), send)
 
     async def _model_facts(self) -> ModelFacts:
         async with self._facts_lock:
@@ -165,62 +149,6 @@ class RequestChecks:
                     server.config.timeout_graceful_shutdown = 10
                     server.should_exit = True
                 return
-
-
-def load_model_facts(model_source: str) -> ModelFacts:
-    from transformers import AutoConfig, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_source)
-    config = AutoConfig.from_pretrained(model_source)
-    config = getattr(config, "get_text_config", lambda: config)()
-    return ModelFacts(tokenizer, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
-
-
-def check_request(path: str, raw: bytes, facts: ModelFacts, batching: bool = False) -> Plan | str | None:
-    """The checked request (`Plan`), the message of a 400, or None for a body that is not a JSON object.
-    `batching`: the server runs with continuous batching (`batching_problem`)."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(body, dict):
-        return None
-    problem = field_problem(path, body) or (batching_problem(body) if batching else None)
-    if problem is not None:
-        return problem
-    requested = next((body[name] for name in GENERATION_ENDPOINTS[path] if body.get(name) is not None), None)
-    n = (body.get("n") or 1) if path in CHOICE_ENDPOINTS else 1
-    if path == "/v1/responses":
-        return Plan(body)
-    if path == "/v1/chat/completions":
-        return messages_problem(body) or _chat_length_problem(body, facts, requested) or Plan(body, n=n)
-    prompts = completion_prompts(body)
-    if isinstance(prompts, str):
-        return prompts
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            tokens, exact = count_tokens(facts.tokenizer, prompt, facts.context)
-            problem = length_problem(tokens, exact, facts.context, requested)
-        else:
-            problem = out_of_vocabulary(prompt, facts.vocab_size) or length_problem(
-                len(prompt), True, facts.context, requested)
-        if problem is not None:
-            return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
-    return Plan({**body, "prompt": prompts[0]} if len(prompts) == 1 else body, prompts, n)
-
-
-def _chat_length_problem(body: dict, facts: ModelFacts, requested: int | None) -> str | None:
-    tokenizer = facts.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        return (f"{tokenizer.name_or_path} has no chat template: use /v1/completions with a plain prompt, or add a "
-                "chat_template to its tokenizer_config.json")
-    try:
-        text = tokenizer.apply_chat_template(text_messages(body["messages"]), add_generation_prompt=True,
-                                             tokenize=False)
-    except Exception:  # noqa: BLE001 - a template error is the server's to report
-        return None
-    tokens, exact = count_tokens(tokenizer, text, facts.context, add_special_tokens=False)
-    return length_problem(tokens, exact, facts.context, requested)
 
 
 def token_ids_inputs(ids: list[int], use_cb: bool, device: Any):
@@ -275,26 +203,40 @@ def _own_request_id(scope: dict, send: Callable) -> tuple[dict, Callable]:
     return {**scope, "headers": [*headers, (b"x-request-id", own)]}, echoing
 
 
-async def _read_body(receive: Callable) -> tuple[bytes, list[dict]]:
-    chunks, messages = [], []
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks), messages
+def _checking_config(base: type, checks: Callable[[Any], Any]) -> type:
+    """`base` (`uvicorn.Config`) serving `checks(app)` in front of the app it is given."""
+
+    class CheckedConfig(base):
+        def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(checks(app), *args, **kwargs)
+
+    return CheckedConfig
 
 
-def _replay(messages: list[dict], receive: Callable) -> Callable:
-    pending = list(messages)
+def _recording(base: type, state: ServerState, attribute: str) -> type:
+    """`base` setting `state.<attribute>` to each instance it makes: the server builds them inside one constructor and
+    keeps them to itself, and the watchdog and the shutdown need them."""
 
-    async def replayed() -> dict:
-        return pending.pop(0) if pending else await receive()
+    class Recorded(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            setattr(state, attribute, self)
 
-    return replayed
+    Recorded.__name__ = Recorded.__qualname__ = f"Recorded{base.__name__}"
+    return Recorded
+
+
+@contextlib.contextmanager
+def _replaced(replacements: list[tuple[Any, str, type]]) -> Iterator[None]:
+    """Each (module, name, replacement): `module.name` is `replacement` while in the block, the original after."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in replacements]
+    for module, name, replacement in replacements:
+        setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
 
 
 @contextlib.contextmanager
@@ -303,49 +245,32 @@ def checked_requests(model_source: str, batching: bool = False) -> Iterator[Serv
     prompts, samples as OpenAI's API defines (`sampling`), and is stopped if its continuous-batching worker
     dies (the yielded state says so afterwards). `batching`: the server is started with --continuous-batching.
 
-    `transformers serve` builds its app, its `uvicorn.Config` and `uvicorn.Server` and its handlers inside one
-    constructor; subclasses of those, put where it looks them up, are the public seams between them, the same on
-    every supported release."""
+    `transformers serve` builds its app, its `uvicorn.Config` and `uvicorn.Server`, its generation state and its
+    handlers inside one constructor, looking each class up in its module; a subclass put there is the one seam
+    between them, the same on every supported release. Every class replaced is in the one table below."""
     import uvicorn
     from transformers.cli.serving import chat_completion, completion, response, utils
 
     state = ServerState()
-    original_config, original_server = uvicorn.Config, uvicorn.Server
-    #: (module, name, replacement) of each server class replaced while in the block
-    replaced = [(completion, "CompletionHandler", sampling_handler(token_ids_completion_handler(
-                    completion.CompletionHandler))),
-                (chat_completion, "ChatCompletionHandler", sampling_handler(chat_completion.ChatCompletionHandler)),
-                (response, "ResponseHandler", sampling_handler(response.ResponseHandler)),
-                (utils, "GenerateManager", seeded_manager(utils.GenerateManager)),
-                (utils, "CBGenerateManager", per_request_manager(utils.CBGenerateManager))]
-    originals = [(module, name, getattr(module, name)) for module, name, _ in replaced]
-    original_generation = utils.GenerationState
 
-    class CheckedConfig(original_config):
-        def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
-            super().__init__(RequestChecks(app, model_source, state, batching), *args, **kwargs)
+    def checked(app: Any) -> RequestChecks:
+        return RequestChecks(app, model_source, state, batching)
 
-    class WatchedServer(original_server):
-        def __init__(self, config: Any) -> None:
-            super().__init__(config)
-            state.server = self
-
-    class RecordedGenerationState(original_generation):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            state.generation_state = self
-
-    uvicorn.Config, uvicorn.Server = CheckedConfig, WatchedServer
-    utils.GenerationState = RecordedGenerationState
-    for module, name, replacement in replaced:
-        setattr(module, name, replacement)
+    token_ids_handler = token_ids_completion_handler(completion.CompletionHandler)
+    replacements = [
+        (uvicorn, "Config", _checking_config(uvicorn.Config, checked)),
+        (uvicorn, "Server", _recording(uvicorn.Server, state, "server")),
+        (utils, "GenerationState", _recording(utils.GenerationState, state, "generation_state")),
+        (completion, "CompletionHandler", sampling_handler(token_ids_handler)),
+        (chat_completion, "ChatCompletionHandler", sampling_handler(chat_completion.ChatCompletionHandler)),
+        (response, "ResponseHandler", sampling_handler(response.ResponseHandler)),
+        (utils, "GenerateManager", seeded_manager(utils.GenerateManager)),
+        (utils, "CBGenerateManager", per_request_manager(utils.CBGenerateManager)),
+    ]
     try:
-        yield state
+        with _replaced(replacements):
+            yield state
     finally:
-        uvicorn.Config, uvicorn.Server = original_config, original_server
-        utils.GenerationState = original_generation
-        for module, name, original in originals:
-            setattr(module, name, original)
         if state.generation_state is not None:
             # The server never stops its continuous-batching thread, which is not a daemon: without this the process
             # outlives its server (after SIGTERM too) until it is killed.
