@@ -133,7 +133,10 @@ def training_section(found) -> list[str]:
              "without one is a run's from before, a ratio of medians over 8 rounds); memory: "
              "parameters and optimiser state plus the step's peak. Goals (`benchmarks/gpu/training.py`): eager "
              "mixing variants ≤ 1.02 time and ≤ 1.005 memory (gated, NeuTRENO 1.03; `dense` 1.05 / 1.03; DenseFormer "
-             "1.10), compiled ≤ 1.01 / 1.005 (`dense` 1.03), SVFormer below 1 on both.", ""]
+             "1.10), compiled ≤ 1.01 / 1.005 (`dense` 1.03), SVFormer below 1 on both."
+             + {True: " The learnable mix ran as its Triton kernels.",
+                False: " The learnable mix ran as torch ops (its Triton kernels did not run on this device)."}.get(
+                 setup.get("mix_kernels"), ""), ""]
     for mode in ("eager", "compiled"):
         rows = []
         for (part, name), (run, record) in found.items():

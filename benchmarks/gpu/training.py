@@ -32,6 +32,7 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
+from resformer_hf.remote_code.mix_kernels import kernels_run
 
 PART = "training"
 LLAMA = "llama"
@@ -218,7 +219,7 @@ def run(recorder, schedule, plan) -> None:
             trainees[name] = trainee
     recorder.write(PART, "setup", ok=LLAMA in trainees, parameters={
         name: sum(p.numel() for p in trainee.model.parameters()) for name, trainee in trainees.items()},
-        batch=batch_size, context=context)
+        batch=batch_size, context=context, mix_kernels=kernels_run(device, torch.bfloat16))
     if LLAMA not in trainees:
         return
     measure(recorder, schedule, "eager", trainees, rounds, tokens)

@@ -22,7 +22,7 @@ def check_value_projections(config: ResFormerConfig, missing_keys, unexpected_ke
     SVFormer layers n >= 1 have no `v_proj`; every other variant has one. A mismatch means the checkpoint was
     trained as a different variant than the config says.
     """
-    # Cross-layer attention's consumers have no v_proj either (`cross_layer_kv.check_key_value_projections`).
+    # Cross-layer attention's consumers have no v_proj either (`check_key_value_projections` below).
     without = set(config.layers_without_value_projection) | set(config.layers_reading_shared_keys_values)
     extra = [layer for layer in _layers_with(unexpected_keys, "v_proj") if layer in without]
     if extra:
