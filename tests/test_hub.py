@@ -111,7 +111,10 @@ def _perturb_lambdas(model) -> None:
     """Move every learnable λ off its initial value, so a reload that dropped them would show."""
     with torch.no_grad():
         depth = getattr(model.base_model, "depth_weighted_average", None)  # DenseFormer's depth weights too
-        for parameter in [*model.base_model.value_residual.parameters(), *(depth.parameters() if depth else ())]:
+        gates = [layer.self_attn.value_gate for layer in model.base_model.layers  # `gated`'s gates start at zero
+                 if getattr(layer.self_attn, "value_gate", None) is not None]
+        for parameter in [*model.base_model.value_residual.parameters(), *(depth.parameters() if depth else ()),
+                          *(p for gate in gates for p in gate.parameters())]:
             parameter.add_(torch.randn_like(parameter) * 0.3)
 
 
@@ -162,6 +165,8 @@ def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
     cases = {
         "learnable_plus": (ResFormerForCausalLM, tiny_config("learnable_plus"), "AutoModelForCausalLM"),
         "svformer": (ResFormerForCausalLM, tiny_config("svformer"), "AutoModelForCausalLM"),
+        "neutreno": (ResFormerForCausalLM, tiny_config("neutreno"), "AutoModelForCausalLM"),
+        "gated": (ResFormerForCausalLM, tiny_config("gated"), "AutoModelForCausalLM"),
         "svformer_cla2": (ResFormerForCausalLM, tiny_config("svformer", cross_layer_attention=2),
                           "AutoModelForCausalLM"),
         "denseformer_cla2": (ResFormerForCausalLM, tiny_config("denseformer", cross_layer_attention=2,
