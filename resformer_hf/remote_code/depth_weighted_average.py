@@ -130,12 +130,15 @@ class _DenseValues(torch.autograd.Function):
             return grad_own, grad_stack, None, None, None, None, None
         vector = weights[: rows + 1].to(grad_mixed.dtype)
         flat = token_major(grad_mixed).reshape(-1)
+        # Each row's gradient `W[n, j]·dV'` as a rank-1 GEMM: `outer`/`addr` broadcast, which CUDA runs in its
+        # non-vectorised elementwise loop (dense's largest extra in the GPU kernel profile); a GEMM streams.
+        column, flat_row = vector[:, None], flat[None, :]
         if ctx.append:
             matrix = _rows(stack_or_grown)
             if grad_grown is None:
-                grown_grad = torch.outer(vector, flat)
+                grown_grad = torch.mm(column, flat_row)
             else:  # the later layers' gradient for every row plus this layer's, in one pass
-                grown_grad = torch.addr(_rows(grad_grown), vector, flat)
+                grown_grad = torch.addmm(_rows(grad_grown), column, flat_row)
             grown_grad = grown_grad.view(rows + 1, *grad_mixed.shape).as_strided(
                 stack_or_grown.shape, _row_strides(stack_or_grown.shape)
             )
@@ -143,7 +146,7 @@ class _DenseValues(torch.autograd.Function):
             mixed_grads = torch.mv(matrix, flat) if ctx.needs_input_grad[2] else None
         else:
             stack = stack_or_grown
-            grad_stack = torch.outer(vector[:-1], flat).as_strided(stack.shape, _row_strides(stack.shape))
+            grad_stack = torch.mm(column[:-1], flat_row).as_strided(stack.shape, _row_strides(stack.shape))
             grad_own = heads_view((flat * vector[-1]).view(-1, own.shape[1] * own.shape[3]), own)
             mixed_grads = None
             if ctx.needs_input_grad[2]:
