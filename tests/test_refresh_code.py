@@ -315,12 +315,14 @@ def test_config_json_changes_only_in_its_auto_map_text(folder):
 
 def test_an_older_plugins_module_the_new_code_does_not_import_is_kept_and_named(folder, capsys):
     """Folders written before the value code moved into family files hold `value_mixing.py`: the refresh writes the
-    new modules and leaves it (a command deletes nothing it did not create), saying so."""
+    new modules and leaves it (a command deletes nothing it did not create), saying so, from the command and from
+    Python alike."""
     old = folder / "value_mixing.py"
     old.write_bytes(b"raise RuntimeError('an older plugin module, never imported')\n")
     before = old.read_bytes()
-    assert convert_main(["--refresh-code", str(folder)]) == 0
-    out = capsys.readouterr().out
-    assert "left as they were: value_mixing.py" in out and "delete them if nothing else needs them" in out
+    with pytest.warns(UserWarning, match="left as they were: value_mixing.py") as warned:
+        assert convert_main(["--refresh-code", str(folder)]) == 0
+    assert "delete them if nothing else needs them" in str(warned[0].message)
+    assert "refreshed" in capsys.readouterr().out
     assert old.read_bytes() == before
     assert (folder / "value_gate.py").is_file() and (folder / "neutreno.py").is_file()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from ..conversion import DTYPES, INITS, convert_llama_checkpoint
 from ..hub.refresh_code import refresh_remote_code
@@ -80,11 +79,6 @@ def _convert(args: argparse.Namespace) -> int:
     if args.refresh_code is not None:
         written = refresh_remote_code(args.refresh_code)
         print(f"refreshed {args.refresh_code}: {', '.join(written)}")
-        # An older plugin's module the new code does not import (value_mixing.py): never deleted, but said.
-        unused = sorted(path.name for path in Path(args.refresh_code).glob("*.py") if path.name not in written)
-        if unused:
-            print(f"left as they were: {', '.join(unused)} (the refreshed code does not import them; delete them if "
-                  "nothing else needs them)")
         return 0
     report = convert_llama_checkpoint(
         args.src,
