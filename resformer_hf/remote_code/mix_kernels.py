@@ -60,15 +60,16 @@ def _kernels():
 
 
 def kernels_usable(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels apply: every tensor a contiguous CUDA tensor of one dtype, where `kernels_run`."""
-    return (all(t.is_cuda and t.is_contiguous() for t in tensors) and len({t.dtype for t in tensors}) == 1
-            and kernels_run(tensors[0].device, tensors[0].dtype))
+    """Whether the kernels apply (per layer, forward and backward): Triton installed, every tensor a contiguous CUDA
+    tensor of one dtype, and the kernels checked on that device (`_working`)."""
+    return (triton is not None and all(t.is_cuda and t.is_contiguous() for t in tensors)
+            and len({t.dtype for t in tensors}) == 1 and _working(tensors[0].device, tensors[0].dtype))
 
 
 def kernels_run(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the mix runs as these kernels for values of `dtype` on `device`: Triton installed, a CUDA device, and
-    the kernels checked there (`_working`)."""
-    return triton is not None and torch.device(device).type == "cuda" and _working(torch.device(device), dtype)
+    """Whether the mix runs as these kernels for values of `dtype` on `device` (what a benchmark reports)."""
+    device = torch.device(device)
+    return triton is not None and device.type == "cuda" and _working(device, dtype)
 
 
 @functools.cache
