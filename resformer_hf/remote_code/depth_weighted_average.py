@@ -66,7 +66,7 @@ def _rows(stack: torch.Tensor) -> torch.Tensor:
 
 
 def _in_their_dtype(function):
-    """Runs `function` with autocast off: CUDA's autocast would run mv, addmv and addr in bf16 and round
+    """Runs `function` with autocast off: CUDA's autocast would run mv, addmv, mm and addmm in bf16 and round
     DenseFormer's float32 residual stream."""
 
     @functools.wraps(function)
@@ -97,7 +97,7 @@ def _dense_forward(own, stack, weights, layer_idx, capacity, mix, append):
         mixed_rows = torch.mv(_rows(grown).t(), vector)
     else:
         mixed_rows = torch.addmv(token_major(own).reshape(-1) * vector[-1], _rows(stack).t(), vector[:-1])
-    return heads_view(mixed_rows.view(-1, own.shape[1] * own.shape[3]), own), grown
+    return heads_view(mixed_rows, own), grown
 
 
 class _DenseValues(torch.autograd.Function):
@@ -147,7 +147,7 @@ class _DenseValues(torch.autograd.Function):
         else:
             stack = stack_or_grown
             grad_stack = torch.mm(column[:-1], flat_row).as_strided(stack.shape, _row_strides(stack.shape))
-            grad_own = heads_view((flat * vector[-1]).view(-1, own.shape[1] * own.shape[3]), own)
+            grad_own = heads_view(flat * vector[-1], own)
             mixed_grads = None
             if ctx.needs_input_grad[2]:
                 own_grad = torch.dot(token_major(own).reshape(-1), flat)

@@ -56,7 +56,8 @@ def token_major(values: torch.Tensor) -> torch.Tensor:
 
 
 def heads_view(matrix: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A [B·T, H·D] matrix seen as [B, H, T, D] values shaped like `like`."""
+    """A token-major [B·T, H·D] matrix (or its elements in any contiguous shape) seen as [B, H, T, D] values shaped
+    like `like`: the inverse of `token_major`."""
     batch, heads, length, dim = like.shape
     return matrix.view(batch, length, heads, dim).transpose(1, 2)
 
