@@ -1,8 +1,8 @@
 """The GPU run: correctness, training speed and memory, decoding and SVFormer's serving capacity on one
 CUDA GPU, every variant against a same-shape HF `LlamaForCausalLM` in the same process.
 
-It installs nothing. On a lent GPU machine (torch there; transformers 5.24.0 carried as a wheel, with whatever
-that machine lacks), from the repository root:
+It installs nothing. On a lent GPU machine (with the torch installed there; transformers 5.24.0 carried as a
+wheel, with whatever that machine lacks), from the repository root:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu --out $OUT

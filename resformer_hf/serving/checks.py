@@ -170,7 +170,6 @@ def text_messages(messages: list[dict]) -> list[dict]:
     return result
 
 
-
 @dataclass
 class ModelFacts:
     """What the checks need of the served model, loaded once: its tokenizer, context and vocabulary size."""
