@@ -11,6 +11,7 @@ from .conversion import ConversionError, ConversionReport, convert_llama_checkpo
 from .integrations.paged_cache import install as install_paged_cache
 from .registration import register_auto_classes
 from .remote_code.configuration_resformer import VALUE_RESIDUAL_VARIANTS, ResFormerConfig
+from .remote_code.loading import LAMBDA_MODULES, register_peft_target_modules
 from .remote_code.modeling_resformer import (
     ResFormerForCausalLM,
     ResFormerForQuestionAnswering,
@@ -19,7 +20,6 @@ from .remote_code.modeling_resformer import (
     ResFormerModel,
     ResFormerPreTrainedModel,
 )
-from .remote_code.peft_support import LAMBDA_MODULES, register_peft_target_modules
 
 __version__ = "0.1.0"
 

@@ -5,21 +5,17 @@ Imported by name (`from helpers import ...`); pytest puts `tests/` on `sys.path`
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 
-import resformer_hf.remote_code.value_residual
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.examples.finetune import BLOCK_SIZE, TEXT_CHARS, VOCAB_SIZE, build_model, training_arguments
 from resformer_hf.remote_code._compat import with_cache
@@ -82,21 +78,6 @@ NON_DEFAULT = {
 def randomised_model(variant: str, **overrides) -> ResFormerForCausalLM:
     """A tiny model whose learnable λ offsets are random, so trained-looking λ are exercised."""
     return model_with_random_lambdas(tiny_config(variant, **{**NON_DEFAULT[variant], **overrides}))
-
-
-@contextlib.contextmanager
-def lambdas_as_tensors() -> Iterator[None]:
-    """Within the block, passes without gradient keep learnable λ (and DenseFormer's α) as tensors: the path a GPU,
-    a sharded or a compiled model takes, where `readable_as_numbers` is False. On the CPU they are otherwise read as
-    Python numbers, so without this the tensor path would never run in the suite. Every package module that imported
-    `readable_as_numbers` is told no."""
-    readable = resformer_hf.remote_code.value_residual.readable_as_numbers
-    readers = [module for name, module in list(sys.modules.items())
-               if name.startswith("resformer_hf.") and getattr(module, "readable_as_numbers", None) is readable]
-    with contextlib.ExitStack() as patches:
-        for module in readers:
-            patches.enter_context(mock.patch.object(module, "readable_as_numbers", lambda module: False))
-        yield
 
 
 def decode_logits(forward, model, prompt: torch.Tensor, steps: int, cache) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -238,7 +219,6 @@ __all__ = [
     "client_checkpoints",
     "decode_logits",
     "example_data",
-    "lambdas_as_tensors",
     "llama_config_like",
     "llama_pair",
     "NON_DEFAULT",

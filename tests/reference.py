@@ -111,7 +111,7 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         h = rms_norm(x, state[p + "input_layernorm.weight"], eps)
-        q = (h @ state[p + "self_attn.q_proj.weight"].T).view(B, T, H, D).transpose(1, 2)
+        q = _linear(h, state, p + "self_attn.q_proj").view(B, T, H, D).transpose(1, 2)
         if n % group:
             raw_values.append(raw_values[-1])
             k, v = shared[n - n % group]
@@ -119,11 +119,11 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
             x = _finish_block(x, attn, state, p, eps, B, T, H * D)
             x = _depth_average(config, state, block_outputs, x)
             continue
-        k = (h @ state[p + "self_attn.k_proj.weight"].T).view(B, T, Hkv, D).transpose(1, 2)
+        k = _linear(h, state, p + "self_attn.k_proj").view(B, T, Hkv, D).transpose(1, 2)
         if config.value_residual == "svformer" and n > 0:
             v_own = raw_values[0]
         else:
-            v_own = (h @ state[p + "self_attn.v_proj.weight"].T).view(B, T, Hkv, D).transpose(1, 2)
+            v_own = _linear(h, state, p + "self_attn.v_proj").view(B, T, Hkv, D).transpose(1, 2)
         raw_values.append(v_own)
         v = v_own
         w = weights.get(n)
@@ -151,6 +151,12 @@ def gated_values(state, p: str, h, initial_mix: float, first, own) -> torch.Tens
     return (1 - g) * own + g * first
 
 
+def _linear(x, state, name: str) -> torch.Tensor:
+    """x Wᵀ + b, the bias where the state dict has one (`attention_bias=True`)."""
+    out = x @ state[name + ".weight"].T
+    return out if name + ".bias" not in state else out + state[name + ".bias"]
+
+
 def _attention(q, k, v, groups: int, causal: torch.Tensor) -> torch.Tensor:
     """softmax(q kᵀ/√D + causal) v with the kv heads repeated for grouped-query attention; [B, H, T, D]."""
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -159,7 +165,7 @@ def _attention(q, k, v, groups: int, causal: torch.Tensor) -> torch.Tensor:
 
 def _finish_block(x, attn, state, p: str, eps: float, B: int, T: int, width: int) -> torch.Tensor:
     """The rest of a pre-norm Llama block after attention: o_proj, residual, RMSNorm, SwiGLU MLP, residual."""
-    x = x + attn.transpose(1, 2).reshape(B, T, width) @ state[p + "self_attn.o_proj.weight"].T
+    x = x + _linear(attn.transpose(1, 2).reshape(B, T, width), state, p + "self_attn.o_proj")
     h = rms_norm(x, state[p + "post_attention_layernorm.weight"], eps)
     gate = h @ state[p + "mlp.gate_proj.weight"].T
     up = h @ state[p + "mlp.up_proj.weight"].T

@@ -123,7 +123,7 @@ def test_key_value_sources_say_which_layers_cached_keys_and_values_each_layer_re
 
     from transformers import LlamaConfig
 
-    from resformer_hf.remote_code.key_value_sources import key_value_sources_of
+    from resformer_hf.remote_code.cache_resformer import key_value_sources_of
 
     config = tiny_config(variant, num_hidden_layers=4, cross_layer_attention=group)
     assert [tuple(source) for source in config.key_value_sources] == expected

@@ -141,14 +141,15 @@ def test_value_gates_receive_gradients_from_the_first_step():
 
 @pytest.mark.parametrize("variant", ["learnable", "learnable_plus"])
 def test_a_pass_without_gradient_follows_lambdas_changed_in_place(variant):
-    """Passes without gradient reuse the per-layer mixes built from the λ they last read (`layer_mixes`): an optimiser
-    step or `load_state_dict` changes λ in place between two such passes, and the second must see the new values."""
+    """An optimiser step, a write through `.data` (EMA code) or `load_state_dict` changes λ in place between two
+    passes without gradient: the second must see the new values (a λ cache keyed by anything but their values would
+    not)."""
     model = randomised_model(variant).eval()
     input_ids = torch.randint(3, 128, (1, 9))
     with torch.no_grad():
         before = model(input_ids).logits
         for parameter in model.model.value_residual.parameters():
-            parameter.add_(torch.linspace(0.1, 0.3, parameter.numel()).view_as(parameter))
+            parameter.data.add_(torch.linspace(0.1, 0.3, parameter.numel()).view_as(parameter))
         stepped = model(input_ids).logits
         state = {name: value + 0.2 for name, value in model.model.value_residual.state_dict().items()}
         model.model.value_residual.load_state_dict(state)
@@ -288,16 +289,16 @@ def test_the_bf16_tolerance_catches_a_wrong_lambda_first(tmp_path, monkeypatch, 
     """Regression for the tolerance itself: λ_first × 0.7 in the bf16 pass (no gradient) must fail the bf16 check."""
     from resformer_hf.remote_code.value_residual import ValueResidual
 
-    layer_mixes = ValueResidual.layer_mixes
+    per_layer = ValueResidual.per_layer
     model = randomised_model(variant)
     input_ids = torch.randint(3, 128, (1, 8))
     with torch.no_grad():
         expected = model(input_ids).logits
     model.save_pretrained(tmp_path)
     loaded = ResFormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    monkeypatch.setattr(ValueResidual, "layer_mixes",
-                        lambda self: tuple(mix._replace(lambda_first=mix.lambda_first * 0.7)
-                                           for mix in layer_mixes(self)))
+    monkeypatch.setattr(ValueResidual, "per_layer",
+                        lambda self, *args: tuple((None if first is None else first * 0.7, own)
+                                                  for first, own in per_layer(self, *args)))
     with torch.no_grad():
         wrong = (loaded(input_ids).logits.float() - expected).abs().max().item()
     assert wrong > 2 * BF16_LOGITS_ATOL, wrong
@@ -504,7 +505,7 @@ def compiled_step_peak_bytes(model, input_ids) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["identity", "learnable_plus", "dense"])
 def test_compiled_training_step_peaks_at_llamas_memory(variant):
-    """Under torch.compile the mix is plain ops the partitioner sees through (`value_residual.project_and_mix`): with
+    """Under torch.compile the mix is plain ops the partitioner sees through (`value_residual.mixed_values`): with
     the eager path's autograd function instead, `identity` peaked 2.9% and `learnable_plus` 4.2% above a compiled Llama
     here (an H200 measured `identity` at 1.026 at 134M parameters). A learnable λ_first keeps one values tensor for
     its gradient."""

@@ -1,12 +1,16 @@
-"""Regression gate (issue 32): an eager decode step of every variant executes no more instructions, relative to
-Llama's, than when last measured, and never more than its goal allows once the goal is reached.
+"""Regression gate (issues 32, 55): an eager decode step of every variant executes no more instructions, relative to
+Llama's, than its goal allows (`benchmarks/cost/settings.py: goal`).
 
 Instructions, counted by valgrind's callgrind (`benchmarks/cost/instructions.py`), move by tenths of a percent between
 runs where timings move by several percent: one extra aten op per layer (~29 k instructions of dispatch at this size,
-+1.6 % of a step) moves the ratio by more than the margin, whatever else runs on the machine. One valgrind process
-counts Llama and every variant in ~2 CPU-minutes: 13 s for a native process to build and prefill the models, then under
-valgrind a minute importing transformers (which imports torch._dynamo, and hqq and torchao where installed) and 45 s
-loading, warming up and counting.
++1.6 % of a step) moves the ratio by more than the margin, whatever else runs on the machine. Why the goals are not a
+user's cost: at hidden 256 × 8 layers a CPU decode step is ~95 % dispatch overhead, so each op shows; the learnable λ
+are read as tensors every step (one decode path on every device, no cache of λ that a write through `.data` leaves
+stale), and CUDA, compiled and sharded models run the same ops, where the decode kernel budget
+(`test_kernel_budgets.py`) holds their count. At the widths people decode on a CPU a step is bound by reading the
+weights. One valgrind process counts Llama and every variant in ~2 CPU-minutes: 13 s for a native process to build and
+prefill the models, then under valgrind a minute importing transformers (which imports torch._dynamo, and hqq and
+torchao where installed) and 45 s loading, warming up and counting.
 """
 
 from __future__ import annotations
@@ -29,17 +33,8 @@ HIDDEN, LAYERS = 256, 8
 #: process (`instructions.py`): built and prefilled under valgrind, where MKL's FMA GEMMs are emulated ~50x slower,
 #: they took most of the gate's minutes.
 CONTEXT = 64
-#: Ratios to Llama measured at this setting (256×8, batch 1, 64 cached tokens) where they are above the decode goal;
-#: the gate holds them there. Every value-residual variant meets its goal since v_proj's weight is read from the
-#: module's own dicts and learnable λ's per-layer mixes are reused while λ stay the same (2026-11-26: none 0.991,
-#: identity 1.001, learnable 1.003, learnable_plus 1.003, neutreno 1.008, dense 1.023, svformer 0.940; with the value
-#: paths of issue 43: identity 0.999, learnable 1.002, learnable_plus 1.002, neutreno 1.008, dense 1.021, svformer
-#: 0.936, gated 1.043 against its goal of 1.05; 2026-11-27, with one λ table and one op per formula (issue 46):
-#: identity 1.003-1.005, learnable 1.004-1.006, learnable_plus 1.004-1.006, dense 1.014-1.020, neutreno 1.008-1.017,
-#: svformer 0.937-0.945, gated 1.046-1.050, denseformer 1.016-1.023 over two runs: the layers now take their λ as two
-#: arguments, a few thousand instructions a layer, which put gated at its goal's edge, 1.0502 once). DenseFormer, a
-#: baseline, averages all earlier block outputs after every block: O(L) ops per block on the CPU (its α numbers).
-MEASURED_ABOVE_GOAL = {"denseformer": 1.0422, "gated": 1.0502}
+#: Ratios to Llama measured at this setting above the decode goal, held there (none since issue 55's goals).
+MEASURED_ABOVE_GOAL: dict[str, float] = {}
 #: Room for what moves between runs and library builds: two runs of this gate moved every ratio by up to 0.004
 #: together (Llama's count, the denominator, moved), and loading the prepared models instead of building them in the
 #: counting process moved them by up to 0.003; an op per layer is ~0.016.

@@ -27,7 +27,7 @@ from transformers.distributed import DistributedConfig
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 
 import resformer_hf
-from resformer_hf.remote_code.parallelism import PIPELINE_PARALLEL_UNSUPPORTED
+from resformer_hf.remote_code.loading import PIPELINE_PARALLEL_UNSUPPORTED
 
 from helpers import TINY, mixing_parameters, model_with_random_lambdas, save_with_scalar_lambda_scale, tiny_config
 

@@ -3,15 +3,14 @@ per step, in a bf16 training step and in a decode step, counted exactly (machine
 
 On a GPU each op is a kernel launch (~5 µs) and a pass over its tensors, which is what made the default variant's
 training step 5 % slower than Llama's before the λ became one table and each mix one op. Counted at 8 and 12 layers,
-so that a per-layer cost cannot hide inside the per-step allowance. The decode step runs with λ as tensors, as a GPU
-runs it (`lambdas_as_tensors`); the CPU's pass with λ as numbers is held to its dispatches in `test_decode_ops.py`
-and to its instructions in `test_decode_instructions.py`.
+so that a per-layer cost cannot hide inside the per-step allowance. The decode step keeps learnable λ as tensors, as
+every device runs it; its CPU dispatches are held in `test_decode_ops.py` and its instructions in
+`test_decode_instructions.py`.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from resformer_hf.remote_code._compat import with_cache
 from resformer_hf.remote_code.cache_resformer import share_cache_storage
 from resformer_hf.remote_code.configuration_resformer import VARIANTS
 
-from helpers import lambdas_as_tensors, llama_config_like, model_with_random_lambdas, tiny_config
+from helpers import llama_config_like, model_with_random_lambdas, tiny_config
 
 SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_attention_heads=8, num_key_value_heads=4,
              max_position_embeddings=64, tie_word_embeddings=False)
@@ -103,8 +102,7 @@ def extra_kernels(variant: str, kind: str) -> tuple[float, float, dict]:
         torch.manual_seed(0)
         llama = count(LlamaForCausalLM(llama_config_like(config)))
         model = model_with_random_lambdas(config)
-        with lambdas_as_tensors() if kind == TENSORS else contextlib.nullcontext():
-            ops = count(model)
+        ops = count(model)
         extra[depth] = sum(ops.values()) - sum(llama.values())
         by_name = {name: ops[name] - llama[name] for name in ops.keys() | llama.keys() if ops[name] != llama[name]}
         receivers = len(config.value_residual_receivers)
@@ -145,6 +143,16 @@ def test_a_training_step_builds_no_tensor_from_python_data_and_reads_none_back(v
     torch.manual_seed(0)
     llama = training_kernels(LlamaForCausalLM(llama_config_like(config)))
     ops = training_kernels(model_with_random_lambdas(config))
+    assert [ops[name] for name in SYNCS] == [llama[name] for name in SYNCS], ops
+
+
+def test_a_decode_step_reads_no_number_back_beyond_llamas(variant):
+    """Learnable λ stay tensors in a decode step on every device: reading them as Python numbers (a CPU-only path
+    before issue 55) would show here as `.tolist()` / `.item()` syncs, which wait for a GPU."""
+    config = tiny_config(variant, **SHAPE, num_hidden_layers=4)
+    torch.manual_seed(0)
+    llama = decode_kernels(LlamaForCausalLM(llama_config_like(config)))
+    ops = decode_kernels(model_with_random_lambdas(config))
     assert [ops[name] for name in SYNCS] == [llama[name] for name in SYNCS], ops
 
 

@@ -2,7 +2,7 @@
 `_ProjectAndMix` they replace on CUDA, run on the CPU by Triton's interpreter (`TRITON_INTERPRET=1`).
 
 Sizes are not multiples of the kernels' block, so a wrong mask or a block that is never written shows; λ are views of
-one table with a storage offset, as `ValueResidual.rows` hands them to each layer.
+one table with a storage offset, as `ValueResidual.per_layer` hands them to each layer.
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ def test_lambdas_train_with_lora_and_travel_with_the_adapter(data, tmp_path):
 def test_value_gates_train_with_lora_and_travel_with_the_adapter(data, tmp_path):
     """`gated`: `LAMBDA_MODULES` makes every layer's value gate trainable beside LoRA; the trained gates are saved in
     the adapter, reload to the same logits, and merge into a standalone model with real `ValueGate`s."""
-    from resformer_hf.remote_code.value_gate import ValueGate
+    from resformer_hf.remote_code.value_residual import ValueGate
 
     model = build_model(len(data[0]), value_residual="gated")
     model.save_pretrained(tmp_path / "base")

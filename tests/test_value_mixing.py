@@ -1,7 +1,8 @@
 """The fused value-residual autograd functions: float64 gradcheck, the plain-op fallback, saved tensors, bf16.
 
-`project_and_mix`, `project_and_gate`, `dense_values` and `corrected_output_projection` compute the mix with
-custom autograd functions that save only what attention, the projections and layer 0 keep anyway. Each is checked here
+`mixed_values`, `gated_values`, `dense_values` and `corrected_output` compute the mix with fused ops (custom autograd
+functions where plain autograd would keep more) that save only what attention, the projections and layer 0 keep
+anyway. Each is checked here
 against finite differences (`torch.autograd.gradcheck`, float64) on every code path, against the plain autograd ops
 they replace, and for what they save; `test_core_model.py` checks the whole model against the independent reference.
 """
@@ -15,10 +16,13 @@ from torch.autograd import gradcheck
 from torch.func import functional_call
 
 from resformer_hf.remote_code.depth_weighted_average import dense_values
-from resformer_hf.remote_code.neutreno import corrected_output_projection, neutreno_correction
-from resformer_hf.remote_code.projections import is_plain_linear
-from resformer_hf.remote_code.value_gate import ValueGate, gated_values, project_and_gate
-from resformer_hf.remote_code.value_residual import mix_values, project_and_mix
+from resformer_hf.remote_code.value_residual import (
+    ValueGate,
+    corrected_output,
+    gated_values,
+    is_plain_linear,
+    mixed_values,
+)
 
 BATCH, LENGTH, HIDDEN, HEAD_DIM = 2, 5, 12, 3
 F64 = {"dtype": torch.float64}
@@ -64,13 +68,13 @@ def mixing_case(kv_heads: int, bias: bool, learnable: bool, dtype=torch.float64,
 
 
 def table_pair(table: torch.Tensor, column: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """A receiver's λ as `ValueResidual.rows` hands them on: 0-dim views of one table, through one unbind."""
+    """A receiver's λ as `ValueResidual.per_layer` hands them on: 0-dim views of one table, through one unbind."""
     flat = table.view(-1).unbind()
     return flat[column], flat[table.shape[1] + column]
 
 
 class MixingLayer(nn.Module):
-    """Calls `project_and_mix_first` as layer 2's attention does, so `functional_call` can make W and bias inputs."""
+    """Calls `mixed_values` as layer 2's attention does, so `functional_call` can make W and bias inputs."""
 
     def __init__(self, kv_heads: int, bias: bool, dtype=torch.float64):
         super().__init__()
@@ -79,7 +83,7 @@ class MixingLayer(nn.Module):
 
     def forward(self, hidden, first, weights):
         lambdas = table_pair(weights) if torch.is_tensor(weights) else weights
-        return project_and_mix(hidden, self.v_proj, projected(first, self.kv_heads), lambdas, HEAD_DIM)
+        return mixed_values(self.v_proj, hidden, projected(first, self.kv_heads), *lambdas, None, HEAD_DIM)
 
 
 def mix_first(layer: MixingLayer, params: dict, hidden, first, weights) -> torch.Tensor:
@@ -90,7 +94,7 @@ def mix_first(layer: MixingLayer, params: dict, hidden, first, weights) -> torch
 @pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("learnable", [False, True])
-def test_project_and_mix_first_passes_gradcheck_and_matches_plain_ops(kv_heads, bias, learnable):
+def test_mixed_values_pass_gradcheck_and_matches_plain_ops(kv_heads, bias, learnable):
     layer, params, hidden, first, weights = mixing_case(kv_heads, bias, learnable)
     names = list(params)
     inputs = [t.requires_grad_() for t in (hidden, first, *params.values(), *([weights] if learnable else []))]
@@ -103,8 +107,6 @@ def test_project_and_mix_first_passes_gradcheck_and_matches_plain_ops(kv_heads, 
     own = projected(torch.nn.functional.linear(hidden, *params.values()), kv_heads)
     first_weight, own_weight = (weights[0, 1], weights[1, 1]) if learnable else weights
     expected = first_weight * projected(first, kv_heads) + own_weight * own
-    mixed = mix_values(own, projected(first, kv_heads), (first_weight, own_weight))
-    assert torch.allclose(mixed, expected, atol=1e-12)
     assert torch.allclose(fused(*inputs), expected, atol=1e-12)
     if learnable:  # λ that are not views of one table take the stacked path, with the same values and gradients
         pair = [t.detach().clone().requires_grad_() for t in (weights[0, 1], weights[1, 1])]
@@ -176,7 +178,7 @@ def test_fused_mix_under_bf16_autocast_matches_the_plain_path():
 
 
 class GatingLayer(nn.Module):
-    """Calls `project_and_gate` as a gated layer's value path does, so `functional_call` can make W, W_g inputs."""
+    """Calls `gated_values` as a gated layer does, so `functional_call` can make W, W_g inputs."""
 
     def __init__(self, kv_heads: int, bias: bool, shift: float, dtype=torch.float64):
         super().__init__()
@@ -185,11 +187,8 @@ class GatingLayer(nn.Module):
         self.value_gate = ValueGate(HIDDEN, kv_heads).to(dtype)
 
     def forward(self, hidden, first):
-        first = projected(first, self.kv_heads)
-        if is_plain_linear(self.v_proj) and is_plain_linear(self.value_gate, ValueGate):
-            return project_and_gate(hidden, self.v_proj, self.value_gate, first, self.shift, HEAD_DIM)
-        own = projected(self.v_proj(hidden), self.kv_heads)
-        return gated_values(own, first, self.value_gate(hidden), self.shift)
+        return gated_values(self.v_proj, self.value_gate, hidden, projected(first, self.kv_heads), self.shift,
+                            HEAD_DIM)
 
 
 def gating_case(kv_heads: int, bias: bool, shift: float, dtype=torch.float64, seed: int = 0):
@@ -212,7 +211,7 @@ def run_gate(layer: GatingLayer, params: dict, hidden, first) -> list[torch.Tens
 @pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shift", [0.0, -0.5])  # started at the identity's 0.5, or at 0 (`--init preserve`)
-def test_project_and_gate_passes_gradcheck_and_matches_the_equation(kv_heads, bias, shift):
+def test_gated_values_pass_gradcheck_and_matches_the_equation(kv_heads, bias, shift):
     layer, params, hidden, first = gating_case(kv_heads, bias, shift)
     names = list(params)
 
@@ -329,7 +328,7 @@ def test_dense_values_refuse_a_stack_that_skips_layers():
 
 
 class CorrectingLayer(nn.Module):
-    """Calls `corrected_output_projection` as a NeuTRENO layer does (λ = 0.4), with its o_proj."""
+    """Calls `corrected_output` as a NeuTRENO layer does (λ = 0.4), with its o_proj."""
 
     def __init__(self, groups: int, bias: bool, kv_heads: int = 2):
         super().__init__()
@@ -338,12 +337,12 @@ class CorrectingLayer(nn.Module):
 
     def forward(self, attn_output, first, own):
         first, own = projected(first, self.kv_heads), projected(own, self.kv_heads)
-        return corrected_output_projection(attn_output, first, own, self.o_proj, 0.4, self.groups)
+        return corrected_output(attn_output, first, own, self.o_proj, 0.4, self.groups)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
-def test_corrected_output_projection_passes_gradcheck_and_matches_plain_ops(groups, bias):
+def test_corrected_output_passes_gradcheck_and_matches_plain_ops(groups, bias):
     generator = torch.Generator().manual_seed(1)
     layer = CorrectingLayer(groups, bias)
     params = {f"o_proj.{name}": torch.randn(parameter.shape, generator=generator, **F64)
@@ -356,7 +355,9 @@ def test_corrected_output_projection_passes_gradcheck_and_matches_plain_ops(grou
         return functional_call(layer, dict(zip(params, weights)), (attn_output, first, own))
 
     assert gradcheck(corrected, inputs)
-    difference = neutreno_correction(projected(first, 2), projected(own, 2), 0.4, groups)
+    # λ(V_0 − V_n), each kv head repeated for its query heads, laid out like the attention output [B, T, H_q, D]
+    difference = (0.4 * (first - own)).view(BATCH, LENGTH, 2, 1, HEAD_DIM).expand(-1, -1, -1, groups, -1)
+    difference = difference.reshape(BATCH, LENGTH, 2 * groups, HEAD_DIM)
     expected = torch.nn.functional.linear((attn_output + difference).reshape(BATCH, LENGTH, -1), *params.values())
     assert torch.allclose(corrected(*inputs), expected, atol=1e-12)
     plain_layer = CorrectingLayer(groups, bias)
@@ -364,7 +365,7 @@ def test_corrected_output_projection_passes_gradcheck_and_matches_plain_ops(grou
     assert torch.allclose(functional_call(plain_layer, params, (attn_output, first, own)), expected, atol=1e-12)
 
 
-def test_corrected_output_projection_saves_no_corrected_copy():
+def test_corrected_output_saves_no_corrected_copy():
     """Fused: attention output, V_0, V_n and W only (attention and layer 0 keep the first three anyway)."""
     layer = CorrectingLayer(groups=2, bias=False)
     attn_output = torch.randn(BATCH, LENGTH, 4, HEAD_DIM, **F64).requires_grad_()
@@ -375,7 +376,7 @@ def test_corrected_output_projection_saves_no_corrected_copy():
     assert len(saved_storages(layer, attn_output, first, own) - kept) == 1  # o_proj's corrected input
 
 
-def test_corrected_output_projection_under_bf16_autocast_matches_the_plain_path():
+def test_corrected_output_under_bf16_autocast_matches_the_plain_path():
     results = []
     for path in ("fused", "plain"):
         torch.manual_seed(2)

@@ -112,16 +112,16 @@ def value_gate_statistics(
     "std", "min", "max"}}` over every non-padding token and kv head (`std` over them too: how much the mix depends on
     the token). Empty for a model without value gates (every other variant, a Llama).
 
-    The mix is what the layer's value path computes from its normalised input, read by a hook on each gated
-    attention layer during one forward pass without cache.
+    The mix is what the layer's gate computes from its normalised input, read by a hook on each gated attention
+    layer during one forward pass without cache.
     """
     valid = _valid_mask(input_ids, attention_mask)
-    gated = [module for module in model.modules() if hasattr(getattr(module, "value_path", None), "mix")]
+    gated = [module for module in model.modules() if hasattr(module, "value_gate")]
     mixes: dict[int, torch.Tensor] = {}
 
     def record(module, args, kwargs):
         hidden_states = args[0] if args else kwargs["hidden_states"]
-        mixes[module.layer_idx] = module.value_path.mix(module, hidden_states)  # [B, T, H_kv]
+        mixes[module.layer_idx] = module.value_gate.mix(hidden_states, module.gate_shift)  # [B, T, H_kv]
 
     hooks = [module.register_forward_pre_hook(record, with_kwargs=True) for module in gated]
     try:

@@ -77,7 +77,7 @@ def expected_state(model) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
 
 def _is_value_gate(model, name: str) -> bool:
     """Whether `name` is a tensor of a gated layer's value gate (`value_gate.ValueGate`)."""
-    from ..remote_code.value_gate import ValueGate
+    from ..remote_code.value_residual import ValueGate
 
     return isinstance(model.get_submodule(name.rpartition(".")[0]), ValueGate)
 

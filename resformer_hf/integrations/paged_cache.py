@@ -31,7 +31,7 @@ import torch
 from transformers.generation.continuous_batching import cache as paged_cache
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
-from ..remote_code.key_value_sources import key_value_sources_of
+from ..remote_code.cache_resformer import key_value_sources_of
 
 
 def consumer_producers(config: Any, layer_indices: list[int]) -> dict[int, int]:

@@ -12,13 +12,78 @@ a layer that stores nothing and reads both from its producer. This file is copie
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, StaticLayer
+from transformers.models.llama.modeling_llama import rotate_half
 from transformers.utils import is_torchdynamo_compiling
 
-from .key_value_sources import key_value_sources_of
+# ---- which layers' keys and values each layer attends over ----------------------------------------------------------
+# The one fact every cache stores by (the dynamic and static caches, the plugin's paged cache, vLLM's): itself for
+# both, unless cross-layer attention gives a layer its group's first layer's keys and values, or SVFormer layer 0's
+# values.
+
+
+class KeyValueSource(NamedTuple):
+    """The layers whose cached keys and values one layer attends over."""
+
+    keys: int
+    values: int
+
+
+def key_value_sources_of(config: Any) -> list[KeyValueSource]:
+    """For each layer of `config`: from the two lists a ResFormer config has (older remote code's too), else (any
+    other model) every layer its own."""
+    sources = getattr(config, "key_value_source_layers", None)
+    if sources is None:
+        return [KeyValueSource(layer, layer) for layer in range(getattr(config, "num_hidden_layers", 0) or 0)]
+    reads_first = set(getattr(config, "layers_without_value_projection", None) or ())
+    return [KeyValueSource(keys=source, values=0 if layer in reads_first else source)
+            for layer, source in enumerate(sources)]
+
+
+# ---- cross-layer attention ------------------------------------------------------------------------------------------
+# Cross-layer attention (CLA, Brandon et al., 2024), the KV-sharing baseline the paper compares SVFormer with: with
+# `cross_layer_attention=g`, each group of g consecutive layers attends over the keys and values of its first layer
+# (the producer), after RoPE and, with a cache, including every cached token. The other layers (consumers) have no
+# `k_proj` / `v_proj` and no cache entries of their own (`SharedKeysValues*Layer` below). The producer hands its K and
+# V to the next layer through the decoder loop, as positional tensors (reentrant checkpointing propagates them).
+
+
+def shared_keys_values_queries(
+    attention: nn.Module,
+    hidden_states: torch.Tensor,
+    shared_keys_values: tuple[torch.Tensor | None, torch.Tensor | None],
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """A consumer layer's own queries with RoPE as Llama applies it ([B, H_q, T, D]), after checking that the
+    producer's keys and values were handed to it."""
+    if shared_keys_values[0] is None or shared_keys_values[1] is None:
+        raise ValueError(
+            f"Layer {attention.layer_idx} attends over an earlier layer's keys and values (cross_layer_attention), "
+            "but none were handed to it: run the whole decoder stack, not this layer alone."
+        )
+    input_shape = hidden_states.shape[:-1]
+    query_states = attention.q_proj(hidden_states).view(*input_shape, -1, attention.head_dim).transpose(1, 2)
+    cos, sin = position_embeddings
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (query_states * cos) + (rotate_half(query_states) * sin)
+
+
+def share_key_value_projections(attention: nn.Module, config) -> None:
+    """Set up `attention` for cross-layer attention: a consumer (`reads_shared_keys_values`) loses `k_proj` and
+    `v_proj`; a layer whose next layer reads its K and V `hands_on_keys_values`."""
+    sources, layer = config.key_value_source_layers, attention.layer_idx
+    attention.reads_shared_keys_values = sources[layer] != layer
+    attention.hands_on_keys_values = layer + 1 < len(sources) and sources[layer + 1] == sources[layer]
+    if attention.reads_shared_keys_values:
+        attention.k_proj = attention.v_proj = None
+
+
+
+# ---- the caches -----------------------------------------------------------------------------------------------------
 
 
 class _ReadsProducerValues:

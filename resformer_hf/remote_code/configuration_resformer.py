@@ -13,7 +13,7 @@ transformers requires) and sibling files, each by `from .name import` (the only 
 from __future__ import annotations
 
 from ._compat import OLDEST_SUPPORTED  # noqa: F401  (first: refuses an unsupported transformers in one line)
-from .key_value_sources import KeyValueSource, key_value_sources_of
+from .cache_resformer import KeyValueSource, key_value_sources_of
 
 # isort: split
 import math

@@ -13,9 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .configuration_resformer import MIX_ALL
-from .projections import heads_view, own_values, token_major
-from .value_residual import ExactBuffers, PathOutput, ValuePath, readable_as_numbers
+from .value_residual import ExactBuffers, heads_view, token_major
 
 # ---- one buffer of earlier tensors, one matrix-vector product a layer -----------------------------------------------
 
@@ -82,7 +80,7 @@ def _in_their_dtype(function):
 
 @_in_their_dtype
 def _dense_forward(own, stack, weights, layer_idx, capacity, mix, append):
-    """`_DenseValues`'s forward, which a pass without gradient calls directly."""
+    """`_DenseValues`'s forward, in their dtype (`_in_their_dtype`)."""
     rows = 0 if stack is None else stack.shape[0]
     if rows != layer_idx:
         raise RuntimeError(
@@ -97,7 +95,7 @@ def _dense_forward(own, stack, weights, layer_idx, capacity, mix, append):
         mixed_rows = torch.mv(_rows(grown).t(), vector)
     else:
         mixed_rows = torch.addmv(token_major(own).reshape(-1) * vector[-1], _rows(stack).t(), vector[:-1])
-    return heads_view(mixed_rows, own), grown
+    return heads_view(mixed_rows, own.shape), grown
 
 
 class _DenseValues(torch.autograd.Function):
@@ -147,7 +145,7 @@ class _DenseValues(torch.autograd.Function):
         else:
             stack = stack_or_grown
             grad_stack = torch.mm(column[:-1], flat_row).as_strided(stack.shape, _row_strides(stack.shape))
-            grad_own = heads_view(flat * vector[-1], own)
+            grad_own = heads_view(flat * vector[-1], own.shape)
             mixed_grads = None
             if ctx.needs_input_grad[2]:
                 own_grad = torch.dot(token_major(own).reshape(-1), flat)
@@ -173,40 +171,8 @@ def dense_values(
             for j, earlier_values in enumerate(earlier):
                 values = values + earlier_values * weights[j]
         return values, (earlier + (own,) if append else earlier)
-    if torch.is_grad_enabled():
-        values, grown = _DenseValues.apply(own, earlier, weights, layer_idx, capacity, mix, append)
-    else:
-        values, grown = _dense_forward(own, earlier, weights, layer_idx, capacity, mix, append)
+    values, grown = _DenseValues.apply(own, earlier, weights, layer_idx, capacity, mix, append)
     return values, (grown if append else earlier)
-
-
-class DenseValues(ValuePath):
-    """`dense`, the path of every layer up to the last receiver: appends its values to the stack and, receiving,
-    attends over `Σ_{j<n} W[n, j]·V_j + W[n, n]·V_n` (`dense_values`). Without gradient layer 0 starts one running mix
-    per receiver, which each later layer updates in place with its own values."""
-
-    def __init__(self, config, layer_idx: int):
-        super().__init__(config, layer_idx)
-        receivers = config.value_residual_receivers
-        self.mixes = config.value_residual_layer_roles[layer_idx] == MIX_ALL
-        self.rows = max(receivers, default=0)  #: rows of the value buffer: one per layer up to the last reader
-        self.appends = layer_idx < self.rows
-        self.row = receivers.index(layer_idx) if self.mixes else -1
-
-    def with_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
-        own = own_values(attention.v_proj, hidden_states, self.head_dim)
-        values, residual_values = dense_values(own, residual_values, lambda_first, self.layer_idx, self.rows,
-                                               mix=self.mixes, append=self.appends)
-        return values, residual_values, own
-
-    def without_gradient(self, attention, hidden_states, residual_values, lambda_first, lambda_self) -> PathOutput:
-        own = own_values(attention.v_proj, hidden_states, self.head_dim)
-        if self.layer_idx == 0:  # one running mix per receiver, from the whole [R, L] table
-            columns = lambda_first.to(own.dtype).view(*lambda_first.shape, 1, 1, 1, 1).unbind(1)
-            return own, (own * columns[0], columns), own
-        mixes, columns = residual_values
-        mixes = mixes.addcmul_(columns[self.layer_idx], own)  # made by layer 0 in this pass: in place keeps one copy
-        return (mixes[self.row] if self.mixes else own), (mixes, columns), own
 
 
 # ---- DenseFormer ----------------------------------------------------------------------------------------------------
@@ -241,12 +207,8 @@ class DepthWeightedAverage(ExactBuffers):
         """α [L, L + 1] in float32 (offsets upcast by type promotion, as for the λ), masked to each row's sources."""
         return (self.weight_offset + self.initial) * self.mask
 
-    def begin(self, embeddings: torch.Tensor, gradients: bool = True) -> DepthStream | NumericDepthStream:
-        """The stream of one forward pass, starting at the embeddings `X_0`; without gradient on the CPU, with α read
-        as numbers (`readable_as_numbers`)."""
-        if not gradients and readable_as_numbers(self):
-            with torch.no_grad():
-                return NumericDepthStream(self().tolist(), embeddings)
+    def begin(self, embeddings: torch.Tensor) -> DepthStream:
+        """The stream of one forward pass, starting at the embeddings `X_0`."""
         return DepthStream(self().to(embeddings.dtype), embeddings)
 
     def extra_repr(self) -> str:
@@ -271,21 +233,4 @@ class DepthStream:
         return average.squeeze(1)
 
 
-class NumericDepthStream:
-    """A pass without gradient on the CPU: α as numbers, one multiply-add per source (at decode sizes the buffer's
-    views cost more than the few ops they save)."""
-
-    def __init__(self, weights: list[list[float]], embeddings: torch.Tensor):
-        self.weights, self.outputs, self.first = weights, [embeddings], embeddings
-
-    def after_block(self, block_output: torch.Tensor) -> torch.Tensor:
-        row = self.weights[len(self.outputs) - 1]
-        average = block_output * row[len(self.outputs)]
-        for j, output in enumerate(self.outputs):
-            if row[j]:  # sources only (the others are masked to 0)
-                average.add_(output, alpha=row[j])
-        self.outputs.append(block_output)
-        return average
-
-
-__all__ = ["DenseValues", "DepthStream", "DepthWeightedAverage", "NumericDepthStream"]
+__all__ = ["DepthStream", "DepthWeightedAverage", "dense_values"]

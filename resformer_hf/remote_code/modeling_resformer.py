@@ -1,14 +1,12 @@
 """ResFormer models: Llama's decoder with the value residual wired into attention.
 
 Built from Llama's own blocks (MLP, RMSNorm, rotary embedding, attention interface, masks, heads); only the
-attention and the decoder loop change, to carry layer 0's values to later layers. What a layer does with values is
-its value path's (`value_paths.py` picks it), the λ are `value_residual.py`'s. Copied next to `config.json` for
-`trust_remote_code`, so it imports only torch, transformers and its sibling files.
+attention and the decoder loop change, to carry layer 0's values to later layers. What a layer does with values
+depends on its role, read once in `ResFormerAttention.__init__`; the formulas and the λ are `value_residual.py`'s.
+Copied next to `config.json` for `trust_remote_code`, so it imports only torch, transformers and its sibling files.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -52,54 +50,74 @@ from ._compat import (
     refuse_unread_cache,
     update_cache,
 )
-from .cache_resformer import new_dynamic_cache, share_cache_storage
-from .configuration_resformer import ResFormerConfig
-from .cross_layer_kv import share_key_value_projections, shared_keys_values_queries
-from .depth_weighted_average import DepthWeightedAverage
-from .loading import LAMBDA_CHECKPOINT_CONVERSIONS, CheckpointChecks, modules_kept_in_float32
-from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, gathered_parameters, is_pipeline_stage
-from .peft_support import register_peft_target_modules
-from .projections import compute_dtype
-from .value_gate import ValueGate
-from .value_paths import value_path_for
-from .value_residual import ResidualValues, ValueResidual, needs_value_gradients
+from .cache_resformer import (
+    new_dynamic_cache,
+    share_cache_storage,
+    share_key_value_projections,
+    shared_keys_values_queries,
+)
+from .configuration_resformer import CORRECT, GATE, MIX, MIX_ALL, PLAIN, REUSE, ResFormerConfig
+from .depth_weighted_average import DepthWeightedAverage, dense_values
+from .loading import (
+    LAMBDA_CHECKPOINT_CONVERSIONS,
+    PIPELINE_PARALLEL_UNSUPPORTED,
+    CheckpointChecks,
+    ParallelismHooks,
+    gathered_parameters,
+    is_pipeline_stage,
+    modules_kept_in_float32,
+    register_peft_target_modules,
+)
+from .value_residual import (
+    ResidualValues,
+    ValueGate,
+    ValueResidual,
+    compute_dtype,
+    corrected_output,
+    gated_values,
+    hand_on,
+    mixed_values,
+)
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
 
 
 class ResFormerAttention(LlamaAttention):
-    """Llama attention whose values come from the layer's value path (`value_paths.py`), before the cache update:
-    chosen once from the layer's role, as transformers chooses an attention function. # main diff with Llama"""
+    """Llama's attention, whose values depend on the layer's role in the value residual, read once here as Gemma3n
+    reads `is_kv_shared_layer`: what it receives (`value_role`) and whether later layers read its values."""
 
     def __init__(self, config: ResFormerConfig, layer_idx: int):
         super().__init__(config, layer_idx)
-        self.value_path = value_path_for(config, layer_idx)
-        self.value_path.attach(self)
+        receivers = config.value_residual_receivers
+        self.value_role = config.value_residual_layer_roles[layer_idx]  #: PLAIN, MIX, REUSE, GATE, CORRECT, MIX_ALL
+        #: whether later layers read its values (layer 0; `dense`: every layer before the last receiver)
+        self.hands_on_values = layer_idx in config.value_residual_sources and layer_idx < max(receivers, default=0)
+        self.receiver_row = receivers.index(layer_idx) if self.value_role != PLAIN else None
+        self.value_buffer_rows = max(receivers, default=0)  # `dense`: one row per layer up to the last receiver
+        self.keeps_every_layers_values = config.value_residual_spec.keeps_every_layers_values
+        if self.value_role == REUSE:  # SVFormer
+            self.v_proj = None
+        if self.value_role == GATE:
+            self.value_gate = ValueGate(config.hidden_size, config.num_key_value_heads)
+            self.gate_shift = config.value_residual_lambda_first_resolved - 0.5  # g0 − σ(0)
         share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        residual_values: ResidualValues,
-        lambda_first: torch.Tensor | float | None,
-        lambda_self: torch.Tensor | float | None,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None,
-        shared_keys_values: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-        value_gradients: bool = False,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple]:
-        """Returns (attention output, attention weights, what later layers read of the values (`residual_values`),
-        the (K, V) the next layer attends over with cross-layer attention)."""
+        self, hidden_states: torch.Tensor, residual_values: ResidualValues | None, lambda_first, lambda_self,
+        position_embeddings: tuple | None = None, attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None, shared_keys_values: tuple = (None, None), **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, ResidualValues | None, tuple]:
+        """Returns (attention output, attention weights, what later layers read of the values, the (K, V) the next
+        layer attends over with cross-layer attention)."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        value_states, residual_values, own_values = self.value_path(self, hidden_states, residual_values, lambda_first,
-                                                              lambda_self, value_gradients)
+        # main diff with Llama: the values this layer attends over, and what it hands on (`value_residual.py`)
+        value_states, residual_values = self.values(hidden_states, residual_values, lambda_first, lambda_self)
+        own_values = value_states  # NeuTRENO's V_n (the cache update below returns every cached token's)
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -112,24 +130,38 @@ class ResFormerAttention(LlamaAttention):
             if not is_paged_cache(cache):
                 next_keys_values = (key_states, value_states)
 
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        implementation = self.config._attn_implementation
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         attn_output, attn_weights = attention_interface(
-            self,
-            query_states,
-            key_states,
-            value_states,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **kwargs,
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
         )
-        # Llama's reshape and o_proj; NeuTRENO adds its correction first. Attention returns [B, T, H_q, D] here,
-        # [T, H_q·D] in vLLM.
-        attn_output = self.value_path.project_output(self, attn_output, input_shape, residual_values, own_values,
-                                                     value_gradients)
+        # Attention returns [B, T, H_q, D] here, [T, H_q·D] in vLLM.
+        if self.value_role == CORRECT:  # main diff with Llama: NeuTRENO's o_proj(A_n V_n + λ(V_0 − V_n))
+            attn_output = corrected_output(attn_output.reshape(*input_shape, -1, self.head_dim), residual_values,
+                                           own_values, self.o_proj, lambda_first, self.num_key_value_groups)
+        else:
+            attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
         return attn_output, attn_weights, residual_values, next_keys_values
+
+    def values(self, hidden_states: torch.Tensor, residual_values: ResidualValues | None, lambda_first, lambda_self
+               ) -> tuple[torch.Tensor, ResidualValues | None]:
+        """(the values [B, H_kv, T, D] this layer attends over, what it hands on to later layers), by its role."""
+        if self.value_role == REUSE:
+            return residual_values, residual_values
+        if self.value_role == MIX:
+            return mixed_values(self.v_proj, hidden_states, residual_values, lambda_first, lambda_self,
+                                self.receiver_row, self.head_dim), residual_values
+        if self.value_role == GATE:
+            return gated_values(self.v_proj, self.value_gate, hidden_states, residual_values, self.gate_shift,
+                                self.head_dim), residual_values
+        own = self.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
+        if self.keeps_every_layers_values and (self.hands_on_values or self.value_role == MIX_ALL):  # `dense`
+            return dense_values(own, residual_values, lambda_first, self.layer_idx, self.value_buffer_rows,
+                                mix=self.value_role == MIX_ALL, append=self.hands_on_values)
+        if self.hands_on_values:  # layer 0: V_0, or (decoding a learnable mix) λ_first·V_0 for every receiver
+            return own, hand_on(own, lambda_first)
+        return own, residual_values  # a plain layer (or NeuTRENO's V_n)
 
 
 class ResFormerSharedKeysValuesAttention(ResFormerAttention):
@@ -141,7 +173,7 @@ class ResFormerSharedKeysValuesAttention(ResFormerAttention):
     """
 
     def forward(self, hidden_states, residual_values, lambda_first, lambda_self, position_embeddings=None,
-                attention_mask=None, cache=None, shared_keys_values=(None, None), value_gradients=False,
+                attention_mask=None, cache=None, shared_keys_values=(None, None),
                 **kwargs: Unpack[TransformersKwargs]):
         input_shape = hidden_states.shape[:-1]
         query_states = shared_keys_values_queries(self, hidden_states, shared_keys_values, position_embeddings)
@@ -149,9 +181,8 @@ class ResFormerSharedKeysValuesAttention(ResFormerAttention):
         key_states, value_states = shared_keys_values[0], shared_keys_values[1]
         if is_paged_cache(cache):  # the producer's K and V of these tokens, through its pages (see `paged_cache.py`)
             key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
+        implementation = self.config._attn_implementation
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
@@ -179,36 +210,18 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         self.hands_on_keys_values = self.self_attn.hands_on_keys_values
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        residual_values: ResidualValues,
-        lambda_first: torch.Tensor | float | None = None,
-        lambda_self: torch.Tensor | float | None = None,
-        shared_keys: torch.Tensor | None = None,
-        shared_values: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        value_gradients: bool = False,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        self, hidden_states: torch.Tensor, residual_values: ResidualValues | None, lambda_first=None, lambda_self=None,
+        shared_keys: torch.Tensor | None = None, shared_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None, use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, ResidualValues | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _, residual_values, (shared_keys, shared_values) = self.self_attn(
-            hidden_states,
-            residual_values,
-            lambda_first,
-            lambda_self,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            shared_keys_values=(shared_keys, shared_values),
-            value_gradients=value_gradients,
-            **kwargs,
+            hidden_states, residual_values, lambda_first, lambda_self, attention_mask=attention_mask,
+            position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+            shared_keys_values=(shared_keys, shared_values), **kwargs,
         )
         hidden_states = residual + hidden_states
 
@@ -346,31 +359,19 @@ class ResFormerModel(ResFormerPreTrainedModel):
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        value_gradients = needs_value_gradients(self, inputs_embeds)
-        if value_gradients:  # one λ table for every layer, cast once to the values' dtype
-            lambdas = self.value_residual.rows(self.value_residual(), compute_dtype(inputs_embeds))
-        else:
-            lambdas = self.value_residual(gradients=False)
+        # one λ table for every layer, cast once to the values' dtype
+        lambdas = self.value_residual.per_layer(compute_dtype(inputs_embeds), inputs_embeds.shape[1])
         residual_values = shared_keys = shared_values = None
         stream = None
         if self.depth_weighted_average is not None:  # DenseFormer: block 1 reads X_0 from the stream's buffer
-            stream = self.depth_weighted_average.begin(hidden_states, gradients=value_gradients)
+            stream = self.depth_weighted_average.begin(hidden_states)
             inputs_embeds = hidden_states = stream.first  # the buffer's row: the embeddings are kept once
 
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, residual_values, shared_keys, shared_values = decoder_layer(
-                hidden_states,
-                residual_values,
-                *lambdas[decoder_layer.layer_idx],
-                shared_keys,
-                shared_values,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                cache=cache,
-                use_cache=use_cache,
-                value_gradients=value_gradients,
-                **kwargs,
+                hidden_states, residual_values, *lambdas[decoder_layer.layer_idx], shared_keys, shared_values,
+                attention_mask=causal_mask, position_embeddings=position_embeddings, position_ids=position_ids,
+                cache=cache, use_cache=use_cache, **kwargs,
             )
             if stream is not None:
                 hidden_states = stream.after_block(hidden_states)

@@ -140,7 +140,7 @@ def mixing_weights_in_bf16(path: Path, batch: torch.Tensor, stage: int) -> dict:
     seen = {}
     module = engine.model.model.value_residual
     hook = module.register_forward_hook(lambda module, args, output: seen.update(weights=output))
-    engine.engine(input_ids=engine.local_batch(batch))  # with gradient: the matrix, not no-grad `LayerMix`es
+    engine.engine(input_ids=engine.local_batch(batch))  # with gradient, as a training step runs
     hook.remove()
     return {
         "dtype": str(seen["weights"].dtype),

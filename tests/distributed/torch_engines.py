@@ -92,7 +92,7 @@ def mixing_weights_seen_in_forward(model, batch) -> dict:
     """The λ table the decoder layers received in one forward pass, and its dtype."""
     seen = {}
     hook = model.model.value_residual.register_forward_hook(lambda module, args, output: seen.update(weights=output))
-    model(input_ids=batch)  # with gradient: a no-grad pass resolves per-layer `LayerMix`es instead of the matrix
+    model(input_ids=batch)  # with gradient, as a training step runs
     hook.remove()
     weights = full_tensor(seen["weights"])
     return {"dtype": str(weights.dtype), "weights": weights.float().tolist()}

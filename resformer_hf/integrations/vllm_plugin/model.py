@@ -22,7 +22,7 @@ from vllm.model_executor.models.transformers.base import VLLM_ATTN_ATTR
 from vllm.model_executor.models.utils import maybe_prefix
 from vllm.platforms import current_platform
 
-from ...remote_code.key_value_sources import key_value_sources_of
+from ...remote_code.cache_resformer import key_value_sources_of
 
 logger = init_logger(__name__)
 

@@ -1,18 +1,13 @@
-"""The pass without gradient as a GPU, a sharded or a compiled model runs it: learnable λ as tensors, held to the
-independent reference (`tests/reference.py`).
+"""The pass without gradient, held to the independent reference (`tests/reference.py`): learnable λ (and
+DenseFormer's α) as tensors, the one decode path every device takes (a GPU, a sharded or compiled model, the CPU).
 
-`readable_as_numbers` is False off the CPU, under `torch.compile` and for sharded parameters; on the CPU the λ are
-otherwise read as Python numbers (`ValueResidual.layer_mixes`), so every other test runs the numbers path and none of
-the tensor path's own code (the λ columns of `layer_mixes`, `ScaledPerReceiver`, the λ_self `addcmul`). Here
-`lambdas_as_tensors` forces it on the CPU, for every variant and the CLA2 options, with λ moved off their initial
-values, at lengths on both sides of `BATCHED_SCALING_MAX_TOKENS` (V_0 scaled for every
-receiver at once, or by each receiver when it runs): a no-grad forward, and greedy decoding with a dynamic and a
-static cache after a short and a long prefill; and in bfloat16 with λ kept float32, as a GPU user loads a model.
+For every variant and the CLA2 options, with λ moved off their initial values, at lengths on both sides of
+`BATCHED_SCALING_MAX_TOKENS` (layer 0 scales V_0 for every receiver at once, or each receiver scales it when it
+runs): a no-grad forward, and greedy decoding with a dynamic and a static cache after a short and a long prefill; and
+in bfloat16 with λ kept float32, as a GPU user loads a model.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -20,10 +15,10 @@ from transformers import DynamicCache, StaticCache
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.remote_code.cache_resformer import share_cache_storage
-from resformer_hf.remote_code.configuration_resformer import DENSE, VARIANTS
+from resformer_hf.remote_code.configuration_resformer import PAIR, SOFTMAX, VARIANTS
 from resformer_hf.remote_code.value_residual import BATCHED_SCALING_MAX_TOKENS
 
-from helpers import NON_DEFAULT, TINY, decode_logits, lambdas_as_tensors, model_with_random_lambdas
+from helpers import NON_DEFAULT, TINY, decode_logits, model_with_random_lambdas
 from reference import reference_logits
 
 #: Every variant with non-default λ, the cross-layer-attention options, and receivers that leave a plain layer between
@@ -63,24 +58,34 @@ def new_cache(model, kind: str, length: int):
     return share_cache_storage(cache, model.config)
 
 
-def test_the_context_manager_keeps_every_learnable_weight_a_tensor(variant):
-    """The tests below run the tensor path, not the numbers path by mistake: learnable λ become tensors inside the
-    block and numbers outside it; fixed λ are numbers and `dense`'s table a tensor on every device."""
+@pytest.mark.parametrize("length", LENGTHS)
+def test_layer_zero_scales_the_first_values_for_every_receiver_only_when_decoding_a_learnable_mix(variant, length):
+    """The paths the tests below hold are the ones taken: without gradient, over a few tokens, layer 0 of a learnable
+    mix hands on λ_first·V_0 of every receiver ([R, B, H_kv, T, D]); over a long prompt, with gradient, and for every
+    other variant it hands on V_0 itself."""
     model = case_model(variant)
-    for forced in (False, True):
-        with lambdas_as_tensors() if forced else contextlib.nullcontext():
-            first = model.model.value_residual(gradients=False)[0].lambda_first
-        spec = VARIANTS[variant]
-        assert isinstance(first, torch.Tensor) == (spec.learnable and (forced or spec.lambdas == DENSE)), first
+    handed_on = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda module, args, output: handed_on.append(output[2]))
+    input_ids = torch.randint(3, 128, (2, length))
+    with torch.no_grad():
+        model(input_ids)
+    model(input_ids)
+    learnable_mix = VARIANTS[variant].lambdas in (PAIR, SOFTMAX)
+    expected_dims = [5 if learnable_mix and length <= BATCHED_SCALING_MAX_TOKENS else 4, 4]
+    if not model.config.value_residual_receivers or VARIANTS[variant].depth_weighted_average:
+        expected_dims = [None, None]  # nothing is handed on
+    elif model.config.value_residual_spec.keeps_every_layers_values:  # dense: its buffer's first row
+        expected_dims = [5, 5]
+    assert [None if values is None else values.dim() for values in handed_on] == expected_dims
 
 
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("case", CASES)
-def test_a_forward_with_lambdas_as_tensors_matches_the_reference(case, length):
+def test_a_forward_without_gradient_matches_the_reference(case, length):
     model = case_model(case)
     input_ids = torch.randint(3, 128, (2, length))
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    with torch.no_grad(), lambdas_as_tensors():
+    with torch.no_grad():
         actual = model(input_ids).logits
     assert relative_error(actual, reference_logits(model.config, state, input_ids)) <= RELATIVE_TOLERANCE
 
@@ -88,36 +93,32 @@ def test_a_forward_with_lambdas_as_tensors_matches_the_reference(case, length):
 @pytest.mark.parametrize("prompt_length", LENGTHS)
 @pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
 @pytest.mark.parametrize("case", CASES)
-def test_cached_greedy_decoding_with_lambdas_as_tensors_matches_the_reference(case, cache_kind, prompt_length):
+def test_cached_greedy_decoding_matches_the_reference(case, cache_kind, prompt_length):
     """Prefill (short, or long enough to scale V_0 per receiver) then one-token steps (V_0 scaled for all receivers at
     once): every step's logits are the reference's at that position, its tokens the reference's greedy choices and
-    those of the same decoding with λ as numbers."""
+    those of the uncached reference."""
     model = case_model(case)
     prompt = torch.randint(3, 128, (2, prompt_length))
-    runs = {}
-    for forced in (False, True):
-        with torch.no_grad(), lambdas_as_tensors() if forced else contextlib.nullcontext():
-            cache = new_cache(model, cache_kind, prompt_length + STEPS)
-            runs[forced] = decode_logits(model, model, prompt, STEPS, cache)
-    step_logits, tokens = runs[True]
+    with torch.no_grad():
+        cache = new_cache(model, cache_kind, prompt_length + STEPS)
+        step_logits, tokens = decode_logits(model, model, prompt, STEPS, cache)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     expected = reference_logits(model.config, state, tokens)
     for step, logits in enumerate(step_logits):
         assert relative_error(logits, expected[:, prompt_length + step - 1]) <= RELATIVE_TOLERANCE, step
     assert torch.equal(tokens[:, prompt_length:], expected[:, prompt_length - 1 : -1].argmax(-1))
-    assert torch.equal(tokens, runs[False][1])
 
 
 #: Largest |bf16 logits − float32 reference| allowed, relative to the reference's largest |logit|: measured at most
 #: 1.2e-2 (3 seeds × these cases, prefill and decode steps).
 BF16_RELATIVE_TOLERANCE = 3e-2
-#: The cases whose pass without gradient `lambdas_as_tensors` changes: learnable λ, DenseFormer's α.
+#: The cases whose pass without gradient scales float32 λ (or α) tensors against bf16 values.
 TENSOR_CASES = [case for case, fields in CASES.items()
                 if (spec := VARIANTS[fields["value_residual"]]).learnable or spec.depth_weighted_average]
 
 
 @pytest.mark.parametrize("case", TENSOR_CASES)
-def test_bfloat16_decoding_with_lambdas_as_tensors_stays_in_bfloat16_near_the_reference(case, tmp_path):
+def test_bfloat16_decoding_stays_in_bfloat16_near_the_reference(case, tmp_path):
     """λ are float32 tensors next to bf16 values: the values they scale, the cache and the logits stay bf16 (a mix in
     float32 would reach attention as float32 values, which it refuses), within bf16's error of the reference."""
     torch.manual_seed(0)
@@ -126,7 +127,7 @@ def test_bfloat16_decoding_with_lambdas_as_tensors_stays_in_bfloat16_near_the_re
     low = ResFormerForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     prompt = torch.randint(3, 128, (2, BATCHED_SCALING_MAX_TOKENS + 24))
     cache = new_cache(low, "dynamic", 0)
-    with torch.no_grad(), lambdas_as_tensors():
+    with torch.no_grad():
         step_logits, tokens = decode_logits(low, low, prompt, 3, cache)
     assert {layer.values.dtype for layer in cache.layers} == {torch.bfloat16}
     state = {k: v.detach() for k, v in model.state_dict().items()}

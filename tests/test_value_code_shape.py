@@ -1,0 +1,93 @@
+"""The value code's shape (issue 55): read on the source, by AST, so that it cannot grow back unnoticed.
+
+What a Hub user reads before trusting remote code is the folder `save_pretrained` copies; what a newcomer reads to see
+one line of the paper's math is the path of the default variant's forward. Both are held to budgets here; the
+behaviour they must keep is held by the exactness, cache, memory and kernel tests.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from resformer_hf import remote_code
+
+REMOTE_CODE = Path(remote_code.__file__).parent
+#: The files `save_pretrained` copies next to every checkpoint (`__init__.py` is the package's, never copied).
+COPIED = sorted(path for path in REMOTE_CODE.glob("*.py") if path.name != "__init__.py")
+#: The value residual's own code: the λ and every formula, `dense` and DenseFormer's buffers, the CUDA mix kernels.
+VALUE_CODE = ("value_residual.py", "depth_weighted_average.py", "mix_kernels.py")
+REMOTE_CODE_FILES, REMOTE_CODE_LINES, VALUE_CODE_LINES = 8, 2700, 800
+#: What a reader follows for `learnable_plus`, training and decoding: the attention that switches on its role, the
+#: λ module, the mix and its autograd function, and the helpers they call. The decoder layer's and the model's
+#: forwards are Llama's, passing the λ and V_0 along; the Triton kernels are CUDA's ops for the mix's two lines.
+LEARNABLE_PLUS_PATH = {
+    "modeling_resformer.py": ["ResFormerAttention.__init__", "ResFormerAttention.forward",
+                              "ResFormerAttention.values"],
+    "value_residual.py": ["ValueResidual.__init__", "ValueResidual.forward", "ValueResidual.per_layer",
+                          "mixed_values", "_ProjectAndMix", "_column", "own_values", "hand_on", "token_major",
+                          "heads_view", "is_plain_linear", "compute_dtype"],
+}
+PATH_LINES = 250
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text(encoding="utf-8").splitlines())
+
+
+def definitions(path: Path) -> dict[str, ast.AST]:
+    """Top-level functions and classes of `path`, and each class's methods as `Class.method`."""
+    found = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            found[node.name] = node
+        if isinstance(node, ast.ClassDef):
+            found.update({f"{node.name}.{sub.name}": sub for sub in node.body if isinstance(sub, ast.FunctionDef)})
+    return found
+
+
+def span(node: ast.AST) -> int:
+    return node.end_lineno - min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))]) + 1
+
+
+def test_the_remote_code_a_hub_user_reads_stays_within_its_budget():
+    sizes = {path.name: lines(path) for path in COPIED}
+    assert len(sizes) <= REMOTE_CODE_FILES and sum(sizes.values()) <= REMOTE_CODE_LINES, sizes
+
+
+def test_the_value_residual_code_stays_within_its_budget():
+    sizes = {name: lines(REMOTE_CODE / name) for name in VALUE_CODE}
+    assert sum(sizes.values()) <= VALUE_CODE_LINES, sizes
+
+
+def test_the_default_variants_forward_reads_in_two_files_and_250_lines():
+    spans = {f"{file}:{name}": span(definitions(REMOTE_CODE / file)[name])
+             for file, names in LEARNABLE_PLUS_PATH.items() for name in names}
+    assert len(LEARNABLE_PLUS_PATH) <= 2 and sum(spans.values()) <= PATH_LINES, (sum(spans.values()), spans)
+
+
+def test_a_layer_reads_its_role_once_and_takes_no_per_variant_path_object():
+    """As Gemma3n's attention reads `is_kv_shared_layer` in `__init__`: the role is an attribute the forward switches
+    on, and no module defines value-path classes or with/without-gradient twins."""
+    attention = definitions(REMOTE_CODE / "modeling_resformer.py")
+    init_source = ast.unparse(attention["ResFormerAttention.__init__"])
+    assert "self.value_role = config.value_residual_layer_roles[layer_idx]" in init_source
+    assert "self.value_role" in ast.unparse(attention["ResFormerAttention.values"])
+    for path in COPIED:
+        names = definitions(path)
+        twins = [name for name in names if name.endswith(("with_gradient", "without_gradient", "Path", "ValuePath"))]
+        assert not twins, (path.name, twins)
+
+
+def test_each_formula_is_spelled_in_one_function():
+    """The mix, the gate's lerp and NeuTRENO's correction each have one public function; the autograd functions
+    behind them are called from nowhere else."""
+    value_residual = (REMOTE_CODE / "value_residual.py").read_text(encoding="utf-8")
+    for fused, caller in (("_ProjectAndMix.apply", "mixed_values"), ("_ProjectAndGate.apply", "gated_values"),
+                          ("_CorrectedOutputProjection.apply", "corrected_output")):
+        assert value_residual.count(fused) == 1, fused
+        assert fused in ast.unparse(definitions(REMOTE_CODE / "value_residual.py")[caller]), (fused, caller)
+    for path in COPIED:
+        if path.name != "value_residual.py":
+            source = path.read_text(encoding="utf-8")
+            assert "_ProjectAndMix.apply" not in source and "_ProjectAndGate.apply" not in source, path.name
