@@ -77,7 +77,8 @@ def generations(samples: dict) -> list[str]:
 
 
 def loglikelihoods(samples: dict) -> list[float]:
-    return [choice[0][0] for sample in samples[CHOICE] for choice in sample["resps"]]
+    """Every (document, choice) log-likelihood, in order (lm-eval's samples files hold them as strings)."""
+    return [float(choice[0][0]) for sample in samples[CHOICE] for choice in sample["resps"]]
 
 
 def accuracies(samples: dict) -> list[float]:
@@ -90,6 +91,8 @@ def assert_same_results(got: dict, expected: dict) -> None:
     assert [sample["doc"] for sample in got[CHOICE]] == [sample["doc"] for sample in expected[CHOICE]]
     assert loglikelihoods(got) == pytest.approx(loglikelihoods(expected), abs=TOLERANCE, rel=0)
     assert accuracies(got) == accuracies(expected)
+    worst = max(abs(a - b) for a, b in zip(loglikelihoods(got), loglikelihoods(expected)))
+    print(f"max |loglikelihood difference| {worst:.2e}, acc {sum(accuracies(got)) / len(accuracies(got)):.4f}")
 
 
 @pytest.fixture(scope="module")
@@ -98,25 +101,31 @@ def folders(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(folders, tmp_path_factory):
-    """The SVFormer folder served plainly and with continuous batching, the Llama control with continuous batching,
-    started side by side."""
+def starting(folders, tmp_path_factory):
+    """The servers, starting in the background (while `hf` runs): the SVFormer folder served plainly and with
+    continuous batching, the Llama control with continuous batching."""
     logs = tmp_path_factory.mktemp("logs")
     plan = {"svformer": ("svformer", ()), "svformer-batched": ("svformer", CB_FLAGS),
             "llama-batched": ("llama", CB_FLAGS)}
-    with ThreadPoolExecutor(len(plan)) as pool:
-        futures = {name: pool.submit(Server, folders[folder], logs / f"{name}.log", *flags)
-                   for name, (folder, flags) in plan.items()}
-        started = {name: future.result() for name, future in futures.items()}
+    pool = ThreadPoolExecutor(len(plan))
+    futures = {name: pool.submit(Server, folders[folder], logs / f"{name}.log", *flags)
+               for name, (folder, flags) in plan.items()}
     try:
-        yield started
+        yield futures
     finally:
-        for server in started.values():
-            server.close()
+        pool.shutdown(wait=True)
+        for future in futures.values():
+            if future.exception() is None:
+                future.result().close()
 
 
 @pytest.fixture(scope="module")
-def references(folders):
+def servers(starting):
+    return {name: future.result() for name, future in starting.items()}
+
+
+@pytest.fixture(scope="module")
+def references(folders, starting):
     """`hf`'s samples: the SVFormer with the plugin's classes and from its remote code, the Llama."""
     return {"svformer": hf(folders["svformer"]), "svformer-remote": hf(folders["svformer"], remote_code=True),
             "llama": hf(folders["llama"])}

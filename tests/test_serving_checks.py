@@ -282,6 +282,7 @@ def test_a_missing_max_tokens_is_openais_default_within_the_context(tokenizer):
 @pytest.mark.parametrize(("text", "stops", "first", "held"), [
     ("abc", ["c"], 2, 0), ("abc", ["x", "bc", "b"], 1, 0), ("ab", ["bcd"], None, 1), ("abc", ["cd", "bcx"], None, 2),
     ("", ["a"], None, 0), ("a\n", ["\n\n"], None, 1), ("aaa", ["b"], None, 0),
+    ("agh", ["h", "gh"], 2, 0), ("agh", ["gh", "h"], 1, 0), ("xaby", ["aby", "b"], 2, 0),
 ])
 def test_stop_strings_are_found_first_and_their_starts_held_back(text, stops, first, held):
     assert first_stop(text, stops) == first

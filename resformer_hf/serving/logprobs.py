@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -281,6 +282,7 @@ def _forward_lock(model: Any) -> threading.Lock:
         lock = threading.RLock()
         forward = model.forward
 
+        @functools.wraps(forward)  # its signature stays the forward's (transformers inspects it)
         def locked_forward(*args: Any, **kwargs: Any) -> Any:
             with lock:
                 return forward(*args, **kwargs)

@@ -4,9 +4,9 @@ OpenAI's API ends a completion at the first stop string and leaves it out of the
 streaming included. `transformers serve` (5.19 to 5.24) hands `stop` to `generate()` as `stop_strings`, which ends
 generation after the token that completes one but keeps it (and what that token holds beyond it) in the text; its
 continuous batching ignores it, generating up to `max_tokens`. Here, for both engines: the text is cut before the
-first stop string; a stream holds back text that could be the start of one; generation is cancelled as soon as one
-is complete (continuous batching included); and the generated tokens counted (usage, log-probabilities) end with the
-token that completed it, as OpenAI's and vLLM's do.
+first stop string (the first one completed); a stream holds back text that could be the start of one; generation is
+cancelled as soon as one is complete (continuous batching included); and the generated tokens counted (usage,
+log-probabilities) end with the token that completed it, as OpenAI's and vLLM's do.
 """
 
 from __future__ import annotations
@@ -41,9 +41,12 @@ def stop_strings(value: Any) -> list[str]:
 
 
 def first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the earliest stop string in `text` starts, or None."""
-    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
-    return min(found) if found else None
+    """Where the stop string that `text` completes first starts (of two completed by one character, the one listed
+    first: "gh" with stops ["h", "gh"] ends the text before "h", as vLLM, and lm-eval cutting its `until` strings in
+    turn, do), or None."""
+    found = [(index + len(stop), order, index) for order, (stop, index) in enumerate((stop, text.find(stop))
+                                                                                      for stop in stops) if index >= 0]
+    return min(found)[2] if found else None
 
 
 def held_back(text: str, stops: Sequence[str]) -> int:
