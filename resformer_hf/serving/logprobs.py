@@ -134,7 +134,9 @@ def completion_logprobs(tokenizer: Any, outputs: RequestOutputs, echo: bool, tex
             continue
         logprob, top = entry
         token_logprobs.append(logprob)
-        listed = {tokenizer.decode([candidate]): value for candidate, value in top}
+        listed: dict[str, float] = {}
+        for candidate, value in top:  # tokens that decode alike (bytes of one character) keep the likeliest's
+            listed.setdefault(tokenizer.decode([candidate]), value)
         listed.setdefault(text, logprob)
         top_logprobs.append(listed)
     offsets, position = [], 0 if echo else text_start
