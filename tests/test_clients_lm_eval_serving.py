@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -123,9 +124,12 @@ def starting(folders, tmp_path_factory):
         yield futures
     finally:
         pool.shutdown(wait=True)
-        for future in futures.values():
-            if future.exception() is None:
-                future.result().close()
+        started = [future.result() for future in futures.values() if future.exception() is None]
+        for server in started:  # all stop at once (each takes seconds)
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGTERM)
+        for server in started:
+            server.close()
 
 
 @pytest.fixture(scope="module")
