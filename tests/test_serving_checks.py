@@ -16,6 +16,7 @@ from transformers import GenerationConfig
 from resformer_hf.serving.checks import (
     MAX_CHOICES,
     ModelFacts,
+    check_request,
     completion_prompts,
     count_tokens,
     field_problem,
@@ -24,6 +25,7 @@ from resformer_hf.serving.checks import (
 from resformer_hf.serving.fanout import fan_out, part_bodies
 from resformer_hf.serving.sampling import batching_problem, openai_sampling, per_request_sampling
 from resformer_hf.serving.server import RequestChecks
+from resformer_hf.serving.stops import cut_at_stop, first_stop, held_back, stopping_queue
 from resformer_hf.text import sample_text, train_tokenizer
 
 
@@ -210,9 +212,115 @@ def test_continuous_batching_samples_each_request_as_generate_would():
 
 def test_what_one_batching_engine_cannot_do_is_named_with_the_flag():
     assert batching_problem({"temperature": 1.5, "top_p": 0.5, "max_tokens": 3, "prompt": "x"}) is None
-    message = batching_problem({"seed": 1, "stop": ["."], "temperature": 1})
-    assert message.startswith("seed, stop cannot be honoured") and "--continuous-batching" in message
+    message = batching_problem({"seed": 1, "logit_bias": {"5": 1}, "stop": ["."], "temperature": 1})
+    assert message.startswith("seed, logit_bias cannot be honoured") and "--continuous-batching" in message
     assert "takes only temperature, top_p and max_tokens per request" in message
+
+
+@pytest.mark.parametrize(("body", "folder_samples", "refused"), [
+    ({"seed": 0, "temperature": 0}, True, False), ({"seed": 1234, "temperature": 0.0}, False, False),
+    ({"seed": 3}, False, False), ({"seed": 3}, True, True), ({"seed": 3, "temperature": 0.5}, False, True),
+    ({"seed": 3, "top_p": 0.5}, False, True), ({"seed": 3, "temperature": 0, "top_p": 0.5}, True, False),
+    ({"stop": ["\n"], "temperature": 1}, True, False),
+])
+def test_a_seed_is_refused_by_the_batching_engine_only_where_it_draws(body, folder_samples, refused):
+    """A seed on a greedy request (temperature 0, or no sampling field and a greedy folder) draws nothing: accepted;
+    on a sampled one, refused with its name. `stop` is served by both engines."""
+    problem = batching_problem(body, folder_samples)
+    assert (problem is not None) == refused, problem
+    assert problem is None or problem.startswith("seed cannot be honoured")
+
+
+@pytest.mark.parametrize(("path", "body", "words"), [
+    ("/v1/completions", {"stop": "\n"}, None), ("/v1/completions", {"stop": ["a", "bc"]}, None),
+    ("/v1/completions", {"stop": ""}, "stop must"), ("/v1/completions", {"stop": ["a", 3]}, "stop must"),
+    ("/v1/completions", {"stop": ["x"] * 17}, "at most 16"), ("/v1/chat/completions", {"stop": [""]}, "stop must"),
+    ("/v1/completions", {"logprobs": 0, "echo": True}, None), ("/v1/completions", {"logprobs": 5}, None),
+    ("/v1/completions", {"logprobs": 6}, "logprobs must"), ("/v1/completions", {"logprobs": True}, "logprobs must"),
+    ("/v1/completions", {"echo": "yes"}, "echo must"),
+    ("/v1/completions", {"logprobs": 1, "stream": True}, "logprobs cannot be streamed"),
+    ("/v1/completions", {"echo": True, "stream": True}, "echo cannot be streamed"),
+    ("/v1/completions", {"logprobs": None, "echo": False, "stream": True}, None),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 20}, None),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs must be true or false"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "needs logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "stream": True}, "logprobs cannot be streamed"),
+    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"presence_penalty": 0}, None),
+    ("/v1/completions", {"best_of": 2}, "best_of"), ("/v1/completions", {"best_of": 2, "n": 2}, None),
+    ("/v1/completions", {"logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 1}}, None),
+    ("/v1/completions", {"user": "me", "stream_options": {"include_usage": True}}, None),
+    ("/v1/completions", {"stream_options": {"include_usage": 1}}, "stream_options"),
+    ("/v1/chat/completions", {"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+])
+def test_stop_logprobs_echo_and_unhonoured_fields_are_checked(path, body, words):
+    problem = field_problem(path, body)
+    assert (problem is None) if words is None else (words in problem), problem
+
+
+def test_a_missing_max_tokens_is_openais_default_within_the_context(tokenizer):
+    """/v1/completions: 16 tokens, or the room the longest prompt leaves; chat: the rest of the context. A prompt
+    that fills the context gets a 400 (no room for one token)."""
+    facts = ModelFacts(tokenizer, 128, len(tokenizer))
+    assert check_request("/v1/completions", json.dumps({"prompt": [5] * 10}).encode(), facts).body["max_tokens"] == 16
+    assert check_request("/v1/completions", json.dumps({"prompt": [[5] * 10, [5] * 120]}).encode(),
+                         facts).body["max_tokens"] == 8
+    assert check_request("/v1/completions", json.dumps({"prompt": [5], "max_tokens": 50}).encode(),
+                         facts).body["max_tokens"] == 50
+    assert "lower max_tokens" in check_request("/v1/completions", json.dumps({"prompt": [5] * 128}).encode(), facts)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        chat = check_request("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "Hello"}]}
+                                                                ).encode(), facts)
+        assert chat.body["max_tokens"] == 128 - len(tokenizer("Hello", add_special_tokens=False)["input_ids"])
+    finally:
+        tokenizer.chat_template = None
+
+
+@pytest.mark.parametrize(("text", "stops", "first", "held"), [
+    ("abc", ["c"], 2, 0), ("abc", ["x", "bc", "b"], 1, 0), ("ab", ["bcd"], None, 1), ("abc", ["cd", "bcx"], None, 2),
+    ("", ["a"], None, 0), ("a\n", ["\n\n"], None, 1), ("aaa", ["b"], None, 0),
+    ("agh", ["h", "gh"], 2, 0), ("agh", ["gh", "h"], 1, 0), ("xaby", ["aby", "b"], 2, 0),
+])
+def test_stop_strings_are_found_first_and_their_starts_held_back(text, stops, first, held):
+    assert first_stop(text, stops) == first
+    assert held_back(text, stops) == held
+
+
+def test_a_stop_cuts_the_text_and_counts_tokens_to_the_one_that_completed_it(tokenizer):
+    ids = tokenizer("one two three four five six")["input_ids"]
+    text = tokenizer.decode(ids)
+    index = text.index("four")
+    expected_tokens = next(k for k in range(1, len(ids) + 1) if "four" in tokenizer.decode(ids[:k]))
+    assert cut_at_stop(tokenizer, text, ids, ["four", "zzz"]) == (text[:index], expected_tokens)
+    assert cut_at_stop(tokenizer, text, ids, ["zzz"]) is None
+
+
+def test_a_stream_ends_at_the_first_stop_string_and_cancels_its_generation():
+    """Pieces that end inside a stop string are held back; the stop string and what follows never arrive; the
+    generation is cancelled; a stream without one is passed on whole."""
+
+    class Streamer:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def run(pieces, stops):
+        queue, streamer = asyncio.Queue(), Streamer()
+        for piece in pieces:
+            queue.put_nowait(piece)
+        out, got = stopping_queue(queue, streamer, stops), []
+        while (item := await asyncio.wait_for(out.get(), 5)) is not None:
+            got.append(item)
+        return got, streamer.cancelled
+
+    assert asyncio.run(run(["Hel", "lo wo", "rld. More", " text", None], ["world.", "xyz"])) == (
+        ["Hel", "lo "], True)
+    assert asyncio.run(run(["a", "b\n", "c", None], ["\n\n"])) == (["a", "b", "\nc"], False)
+    assert asyncio.run(run(["ab", "c", None], ["cd"])) == (["ab", "c"], False)
 
 
 def _checked(tokenizer, requests: list[tuple[dict, list]]) -> tuple[list[dict], list[list[dict]]]:

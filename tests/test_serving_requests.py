@@ -148,8 +148,7 @@ def test_a_seed_gives_generates_sample_whatever_runs_beside_it(servers):
     assert answers[0] != answers[2]
 
 
-@pytest.mark.parametrize("field, value", [("seed", 3), ("frequency_penalty", 0.5), ("stop", ["\n"]),
-                                          ("logit_bias", {"5": 2.0})])
+@pytest.mark.parametrize("field, value", [("seed", 3), ("frequency_penalty", 0.5), ("logit_bias", {"5": 2.0})])
 def test_what_continuous_batching_cannot_honour_is_refused(servers, field, value):
     """Per-request settings one batching engine cannot apply get a 400 that names them, the mode the server runs in
     and its flag, instead of being dropped; the next request is served."""
@@ -181,3 +180,183 @@ def test_64_mixed_requests_at_once_are_all_answered(servers):
         else:
             sampled.setdefault((name, path, prompt), []).append(text)
     assert all(len(set(texts)) == len(texts) == 4 for texts in sampled.values()), sampled
+
+
+# ---- What lm-eval and the openai SDK send (issue 57): stop, seed, logprobs, echo, defaults ----
+
+#: The server's log-probabilities against the model's own log-softmax in this process: the same float32 forward
+#: pass, so they differ by ~1e-6 at most; a wrong position or token is off by ~0.05-0.5 on these near-uniform
+#: random models (log-probabilities -5.3 to -6).
+LOGPROB_TOLERANCE = 1e-4
+
+
+def _greedy_ids(reference: Reference, ids: list[int], tokens: int) -> list[int]:
+    import torch
+
+    output = reference.model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)
+    return output[0, len(ids):].tolist()
+
+
+def _log_softmax(reference: Reference, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return reference.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def _a_stop_in(text: str) -> str:
+    """Two characters from the middle of `text` that occur in it first there: a stop string the text reaches."""
+    for start in range(len(text) // 2, len(text) - 1):
+        stop = text[start:start + 2]
+        if text.find(stop) == start and "\ufffd" not in stop:
+            return stop
+    raise AssertionError(f"no stop string in {text!r}")
+
+
+@pytest.mark.parametrize("name", ["plain", "batched"])
+def test_lm_evals_generation_request_stops_where_openai_stops(servers, name):
+    """lm-eval's generation request (token ids, `seed` 1234, `stop`, temperature 0): `generate()`'s greedy text up
+    to the first stop string, without it, `finish_reason` "stop", the tokens counted up to the one that completed it;
+    streamed the same; a stop string the text never reaches changes nothing ("length")."""
+    server, reference = servers[name]
+    ids = reference.tokenizer(PROMPTS[2])["input_ids"]
+    generated = _greedy_ids(reference, ids, 12)
+    text = reference.tokenizer.decode(generated, skip_special_tokens=True)
+    stop = _a_stop_in(text)
+    expected = text[:text.index(stop)]
+    kept = next(k for k in range(1, len(generated) + 1)
+                if stop in reference.tokenizer.decode(generated[:k], skip_special_tokens=True))
+    body = {"prompt": [ids], "max_tokens": 12, "temperature": 0, "seed": 1234, "stop": ["\x00\x01", stop]}
+    status, raw = server.post(COMPLETIONS, body)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (expected, "stop")
+    assert answer["usage"]["completion_tokens"] == kept
+    status, raw = server.post(COMPLETIONS, {**body, "stop": stop, "stream": True})
+    chunks = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+    assert status == 200 and "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == expected
+    assert [c["choices"][0].get("finish_reason") for c in chunks if c["choices"]][-1] == "stop"
+    status, raw = server.post(COMPLETIONS, {**body, "stop": "\x00\x01"})
+    assert json.loads(raw)["choices"][0]["text"] == text and json.loads(raw)["choices"][0]["finish_reason"] == "length"
+    chat = _expected(reference, CHAT, PROMPTS[1], False)
+    chat_stop = _a_stop_in(chat)
+    chat_answer = json.loads(server.post(CHAT, _body(CHAT, PROMPTS[1], temperature=0, stop=[chat_stop]))[1])
+    assert chat_answer["choices"][0]["message"]["content"] == chat[:chat.index(chat_stop)]
+    assert chat_answer["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("name", ["plain", "batched"])
+def test_a_seed_on_a_greedy_request_is_accepted(servers, name):
+    """`seed` with temperature 0 draws nothing: served (continuous batching too), `generate()`'s greedy text; under
+    continuous batching a seed on a sampled request (here: no sampling field, and the folder samples) is refused."""
+    server, reference = servers[name]
+    for path in (COMPLETIONS, CHAT):
+        assert _text(server, path, _body(path, PROMPTS[1], temperature=0, seed=0))[0] == _expected(
+            reference, path, PROMPTS[1], False)
+    status, raw = server.post(COMPLETIONS, _body(COMPLETIONS, PROMPTS[1], seed=0))
+    if name == "batched":
+        assert status == 400 and json.loads(raw)["error"]["message"].startswith("seed cannot be honoured"), raw
+    else:
+        assert status == 200, raw
+
+
+@pytest.mark.parametrize("name", ["plain", "batched"])
+def test_log_probabilities_are_the_models_own(servers, name):
+    """lm-eval's loglikelihood request (token ids, `echo`, `logprobs` 1, `max_tokens` 1, temperature 0, `seed`):
+    the prompt's tokens and the generated one, each with the model's own log-probability given the tokens before it
+    (the first: null), the generated one the argmax; `logprobs` 3 without `echo`: the generated tokens only, each
+    with the 3 most likely; chat `top_logprobs` 2 likewise; what cannot be given (streamed) is a 400."""
+    server, reference = servers[name]
+    tokenizer = reference.tokenizer
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    status, raw = server.post(COMPLETIONS, {"prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 1,
+                                            "temperature": 0, "seed": 1234})
+    assert status == 200, raw
+    choice = json.loads(raw)["choices"][0]
+    logprobs = choice["logprobs"]
+    (next_token,) = _greedy_ids(reference, ids, 1)
+    whole = ids + [next_token]
+    expected = _log_softmax(reference, whole)
+    assert choice["text"] == tokenizer.decode(ids) + tokenizer.decode([next_token])
+    assert logprobs["tokens"] == [tokenizer.decode([token]) for token in whole]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    reference_logprobs = [expected[i - 1, whole[i]].item() for i in range(1, len(whole))]
+    assert logprobs["token_logprobs"][1:] == pytest.approx(reference_logprobs, abs=LOGPROB_TOLERANCE, rel=0)
+    assert max(logprobs["top_logprobs"][-1].values()) == pytest.approx(expected[-2].max().item(),
+                                                                       abs=LOGPROB_TOLERANCE)
+    assert logprobs["token_logprobs"][-1] == pytest.approx(expected[-2].max().item(), abs=LOGPROB_TOLERANCE)
+    assert logprobs["text_offset"][:2] == [0, len(logprobs["tokens"][0])]
+
+    status, raw = server.post(COMPLETIONS, {"prompt": PROMPTS[2], "logprobs": 3, "max_tokens": 4, "temperature": 0})
+    choice = json.loads(raw)["choices"][0]
+    generated = _greedy_ids(reference, ids, 4)
+    expected = _log_softmax(reference, ids + generated)
+    assert choice["text"] == tokenizer.decode(generated) and len(choice["logprobs"]["tokens"]) == 4
+    for position, (token, top) in enumerate(zip(choice["logprobs"]["token_logprobs"],
+                                                choice["logprobs"]["top_logprobs"])):
+        row = expected[len(ids) + position - 1]
+        assert token == pytest.approx(row[generated[position]].item(), abs=LOGPROB_TOLERANCE)
+        listed = {}  # OpenAI's dict by token text: tokens that decode alike (bytes of a character) share a key
+        for candidate, value in zip(row.topk(3).indices.tolist(), row.topk(3).values.tolist()):
+            listed.setdefault(tokenizer.decode([candidate]), value)
+        listed.setdefault(tokenizer.decode([generated[position]]), row[generated[position]].item())
+        assert list(top) == list(listed) and list(top.values()) == pytest.approx(list(listed.values()),
+                                                                                 abs=LOGPROB_TOLERANCE)
+    assert choice["logprobs"]["text_offset"][0] == len(PROMPTS[2])
+
+    status, raw = server.post(CHAT, _body(CHAT, PROMPTS[1], temperature=0, max_tokens=3, logprobs=True,
+                                          top_logprobs=2))
+    content = json.loads(raw)["choices"][0]["logprobs"]["content"]
+    chat_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[1]}],
+                                                  add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+    generated = _greedy_ids(reference, chat_ids, 3)
+    expected = _log_softmax(reference, chat_ids + generated)
+    assert [entry["token"] for entry in content] == [tokenizer.decode([token]) for token in generated]
+    for position, entry in enumerate(content):
+        row = expected[len(chat_ids) + position - 1]
+        assert entry["logprob"] == pytest.approx(row[generated[position]].item(), abs=LOGPROB_TOLERANCE)
+        assert [top["logprob"] for top in entry["top_logprobs"]] == pytest.approx(row.topk(2).values.tolist(),
+                                                                                  abs=LOGPROB_TOLERANCE)
+    for path, fields in ((COMPLETIONS, {"logprobs": 1}), (COMPLETIONS, {"echo": True}), (CHAT, {"logprobs": True})):
+        status, raw = server.post(path, _body(path, PROMPTS[1], stream=True, **fields))
+        assert status == 400 and f"{next(iter(fields))} cannot be streamed" in raw.decode(), raw
+
+
+@pytest.mark.parametrize("name", ["plain", "batched"])
+def test_what_the_openai_sdk_sends(servers, folders, name):
+    """The openai SDK's completions and chat calls with their defaults, streamed and not: `generate()`'s greedy
+    text; `max_tokens` left out is OpenAI's default (16 for completions, the rest of the context for a chat); `n`,
+    `user` and `stream_options.include_usage` as OpenAI answers them; fields the server would drop get a 400 that
+    names them."""
+    openai = pytest.importorskip("openai")
+    server, reference = servers[name]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    model = str(folders["learnable_plus" if name == "plain" else "svformer"])
+    ids = reference.tokenizer(PROMPTS[1])["input_ids"]
+    sixteen = reference.tokenizer.decode(_greedy_ids(reference, ids, 16), skip_special_tokens=True)
+    answer = client.completions.create(model=model, prompt=PROMPTS[1], temperature=0, user="someone")
+    assert (answer.choices[0].text, answer.usage.completion_tokens) == (sixteen, 16)
+    assert answer.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=model, prompt=PROMPTS[1], temperature=0, max_tokens=8,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == reference.complete(PROMPTS[1],
+                                                                                                     True)[0]
+    assert chunks[-1].usage.completion_tokens == 8
+    answer = client.completions.create(model=model, prompt=PROMPTS[1], temperature=0, max_tokens=8, n=2)
+    assert [choice.text for choice in answer.choices] == [reference.complete(PROMPTS[1])[0]] * 2
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    chat_ids = list(reference.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                            return_dict=True)["input_ids"])
+    rest = _greedy_ids(reference, chat_ids, 128 - len(chat_ids))
+    answer = client.chat.completions.create(model=model, messages=messages, temperature=0)
+    assert answer.choices[0].message.content == reference.tokenizer.decode(rest, skip_special_tokens=True)
+    assert answer.usage.completion_tokens == len(rest)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=8,
+                                                 stream=True))
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == reference.chat(
+        PROMPTS[1], True)[0]
+    for path, field, value in ((COMPLETIONS, "presence_penalty", 0.5), (COMPLETIONS, "best_of", 3),
+                               (COMPLETIONS, "logit_bias", {"5": 1}), (CHAT, "presence_penalty", 1.0)):
+        status, raw = server.post(path, _body(path, PROMPTS[1], **{field: value}))
+        assert status == 400 and json.loads(raw)["error"]["message"].startswith(field), raw

@@ -13,7 +13,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .logprobs import logprobs_problem
 from .sampling import batching_problem
+from .stops import stop_problem
 
 #: The endpoints whose bodies are checked, and the fields that bound the number of new tokens there.
 GENERATION_ENDPOINTS = {
@@ -25,6 +27,8 @@ GENERATION_ENDPOINTS = {
 CHOICE_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 #: Most choices (prompts × n) one request may ask for: OpenAI's own bound on `n`. Each is one generation.
 MAX_CHOICES = 128
+#: OpenAI's `max_tokens` when a /v1/completions request leaves it out (a chat's is the rest of the context).
+DEFAULT_COMPLETION_TOKENS = 16
 
 Prompt = str | list[int]
 
@@ -71,6 +75,30 @@ def field_problem(path: str, body: dict) -> str | None:
     if path in CHOICE_ENDPOINTS and n is not None and (not _is_int(n) or not 1 <= n <= MAX_CHOICES):
         return (f"n must be a positive integer up to {MAX_CHOICES} (the number of choices to generate for each "
                 f"prompt), got {n!r}")
+    return (stop_problem(body) if path in CHOICE_ENDPOINTS else None) or logprobs_problem(path, body) or \
+        unhonoured_problem(path, body)
+
+
+def unhonoured_problem(path: str, body: dict) -> str | None:
+    """The message of a 400 for a field of OpenAI's API that the server would accept and drop: `presence_penalty`
+    (not 0), `best_of` (other than `n`), `logit_bias` on /v1/completions; or a `stream_options` that is not
+    `{"include_usage": true/false}`."""
+    presence = body.get("presence_penalty")
+    if presence is not None and presence != 0:
+        return ("presence_penalty is not supported by this server (it would be ignored): drop it, or use "
+                "frequency_penalty (served as transformers' repetition_penalty = 1 + frequency_penalty)")
+    best_of = body.get("best_of")
+    if path == "/v1/completions" and best_of is not None and best_of != (body.get("n") or 1):
+        return (f"best_of is not supported by this server (it would be ignored): drop it, or ask for best_of "
+                f"choices with n = {best_of!r} and pick among them")
+    if path == "/v1/completions" and body.get("logit_bias") is not None:
+        return ("logit_bias is not supported on /v1/completions by this server (it would be ignored): use "
+                "/v1/chat/completions, or drop it")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not set(options) <= {"include_usage"}
+                                or not isinstance(options.get("include_usage", False), bool)):
+        return (f"stream_options takes only include_usage (true or false; the usage comes in the stream's last "
+                f"chunk), got {json.dumps(options)[:100]}")
     return None
 
 
@@ -177,15 +205,21 @@ class ModelFacts:
     tokenizer: Any
     context: int | None
     vocab_size: int | None
+    samples: bool = False  #: the folder's generation_config samples (a request that sets no sampling field does)
 
 
 def load_model_facts(model_source: str) -> ModelFacts:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(model_source)
     config = AutoConfig.from_pretrained(model_source)
+    try:
+        samples = bool(GenerationConfig.from_pretrained(model_source).do_sample)
+    except OSError:  # no generation_config.json: the server builds one from config.json, greedy
+        samples = False
     config = getattr(config, "get_text_config", lambda: config)()
-    return ModelFacts(tokenizer, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
+    return ModelFacts(tokenizer, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None),
+                      samples)
 
 
 def check_request(path: str, raw: bytes, facts: ModelFacts, batching: bool = False) -> Plan | str | None:
@@ -197,7 +231,7 @@ def check_request(path: str, raw: bytes, facts: ModelFacts, batching: bool = Fal
         return None
     if not isinstance(body, dict):
         return None
-    problem = field_problem(path, body) or (batching_problem(body) if batching else None)
+    problem = field_problem(path, body) or (batching_problem(body, facts.samples) if batching else None)
     if problem is not None:
         return problem
     requested = next((body[name] for name in GENERATION_ENDPOINTS[path] if body.get(name) is not None), None)
@@ -205,23 +239,41 @@ def check_request(path: str, raw: bytes, facts: ModelFacts, batching: bool = Fal
     if path == "/v1/responses":
         return Plan(body)
     if path == "/v1/chat/completions":
-        return messages_problem(body) or _chat_length_problem(body, facts, requested) or Plan(body, n=n)
+        problem = messages_problem(body)
+        if problem is not None:
+            return problem
+        tokens = _chat_tokens(body, facts)
+        if isinstance(tokens, str):
+            return tokens
+        problem = length_problem(*tokens, facts.context, requested or 1) if tokens else None
+        if problem is None and requested is None and tokens and facts.context is not None:
+            body = {**body, "max_tokens": facts.context - tokens[0]}  # OpenAI's: the rest of the context
+        return problem or Plan(body, n=n)
     prompts = completion_prompts(body)
     if isinstance(prompts, str):
         return prompts
+    rooms = []
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             tokens, exact = count_tokens(facts.tokenizer, prompt, facts.context)
-            problem = length_problem(tokens, exact, facts.context, requested)
         else:
-            problem = out_of_vocabulary(prompt, facts.vocab_size) or length_problem(
-                len(prompt), True, facts.context, requested)
+            problem = out_of_vocabulary(prompt, facts.vocab_size)
+            if problem is not None:
+                return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
+            tokens, exact = len(prompt), True
+        problem = length_problem(tokens, exact, facts.context, requested or 1)
         if problem is not None:
             return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
+        if facts.context is not None:
+            rooms.append(facts.context - tokens)
+    if requested is None:  # OpenAI's default, within the context
+        body = {**body, "max_tokens": min([DEFAULT_COMPLETION_TOKENS, *rooms])}
     return Plan({**body, "prompt": prompts[0]} if len(prompts) == 1 else body, prompts, n)
 
 
-def _chat_length_problem(body: dict, facts: ModelFacts, requested: int | None) -> str | None:
+def _chat_tokens(body: dict, facts: ModelFacts) -> tuple[int, bool] | str | None:
+    """(the chat prompt's tokens, exact) as `count_tokens` gives them, the message of a 400 for a model without a
+    chat template, or None where the template fails (the server reports it)."""
     tokenizer = facts.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         return (f"{tokenizer.name_or_path} has no chat template: use /v1/completions with a plain prompt, or add a "
@@ -231,12 +283,12 @@ def _chat_length_problem(body: dict, facts: ModelFacts, requested: int | None) -
                                              tokenize=False)
     except Exception:  # noqa: BLE001 - a template error is the server's to report
         return None
-    tokens, exact = count_tokens(tokenizer, text, facts.context, add_special_tokens=False)
-    return length_problem(tokens, exact, facts.context, requested)
+    return count_tokens(tokenizer, text, facts.context, add_special_tokens=False)
 
 
 __all__ = [
     "CHOICE_ENDPOINTS",
+    "DEFAULT_COMPLETION_TOKENS",
     "GENERATION_ENDPOINTS",
     "MAX_CHOICES",
     "ModelFacts",
@@ -250,4 +302,5 @@ __all__ = [
     "messages_problem",
     "out_of_vocabulary",
     "text_messages",
+    "unhonoured_problem",
 ]

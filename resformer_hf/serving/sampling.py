@@ -12,8 +12,9 @@ first request's generation config, so every later request gets that request's sa
   time there), so a seed gives the same text whatever runs beside it;
 - with continuous batching, one engine samples every request with its own settings: the engine is built sampling,
   with per-request temperature, top-k and top-p (transformers' `per_request_processors`), and each request passes
-  its own (greedy: top-k 1). What one engine cannot do per request (`seed`, `frequency_penalty`, `logit_bias`,
-  `stop`, a `generation_config`) is refused with a 400 by `batching_problem`.
+  its own (greedy: top-k 1). What one engine cannot do per request (`seed` on a sampled request,
+  `frequency_penalty`, `logit_bias`, a `generation_config`) is refused with a 400 by `batching_problem`; a seed on a
+  greedy request changes nothing, and is accepted (`stop` is applied to every engine's answers, `stops`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from typing import Any
 
 import torch
 
-#: Request fields continuous batching cannot honour per request (one engine, one random stream, no stop strings).
-NOT_PER_REQUEST = ("seed", "frequency_penalty", "logit_bias", "stop", "generation_config")
+#: Request fields continuous batching cannot honour per request (one engine, one random stream); `seed` only on a
+#: request that samples (a greedy one draws nothing).
+NOT_PER_REQUEST = ("seed", "frequency_penalty", "logit_bias", "generation_config")
 #: The engine's own defaults: any value that makes transformers build the temperature, top-k and top-p processors
 #: (1.0, 0 or None would not); every request overrides all three.
 ENGINE_SAMPLING = {"temperature": 0.5, "top_k": 50, "top_p": 0.5}
@@ -36,16 +38,27 @@ _seed: contextvars.ContextVar[int | None] = contextvars.ContextVar("resformer_se
 _sampling: contextvars.ContextVar[dict | None] = contextvars.ContextVar("resformer_serve_sampling", default=None)
 
 
-def batching_problem(body: dict) -> str | None:
-    """The message of a 400 for a request that a continuous-batching server cannot honour, or None."""
-    given = [name for name in NOT_PER_REQUEST if body.get(name) is not None]
+def samples(body: dict, folder_samples: bool = False) -> bool:
+    """Whether `body` asks for sampled text: OpenAI's `temperature` > 0 (1 when only `top_p` is given), or the
+    folder's `generation_config` (`folder_samples`) when it sets neither."""
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    if temperature is None and top_p is None:
+        return folder_samples
+    return temperature is None or temperature > 0
+
+
+def batching_problem(body: dict, folder_samples: bool = False) -> str | None:
+    """The message of a 400 for a request that a continuous-batching server cannot honour, or None. A `seed` on a
+    greedy request (`samples`) is honoured by definition: nothing is drawn."""
+    given = [name for name in NOT_PER_REQUEST if body.get(name) is not None
+             and (name != "seed" or samples(body, folder_samples))]
     if not given:
         return None
     names = ", ".join(given)
     return (f"{names} cannot be honoured by this server: it runs with continuous batching (--continuous-batching), "
             "where one engine generates every request from one random stream and takes only temperature, top_p "
-            f"and max_tokens per request (not {', '.join(NOT_PER_REQUEST)}). Drop {names}, or start resformer-serve "
-            "without --continuous-batching.")
+            f"and max_tokens per request (not {', '.join(NOT_PER_REQUEST)}; a seed only with temperature 0). Drop "
+            f"{names}, or start resformer-serve without --continuous-batching.")
 
 
 def openai_sampling(body: dict, config: Any) -> Any:
@@ -168,6 +181,7 @@ __all__ = [
     "openai_sampling",
     "per_request_manager",
     "per_request_sampling",
+    "samples",
     "sampling_handler",
     "seeded_manager",
 ]

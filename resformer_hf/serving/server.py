@@ -16,6 +16,8 @@ managers), each replaced by a subclass while the server runs (the one table in `
   the key the server's engine files it under (two requests with one client `X-Request-ID` are both answered), and
   the client's `X-Request-ID` is echoed on its answer;
 - OpenAI's sampling semantics, with and without continuous batching (`sampling`);
+- OpenAI's `stop`, `logprobs` / `top_logprobs` and `echo`, with and without continuous batching (`stops`,
+  `logprobs`);
 - `TokenIdsCompletionHandler`: token-id prompts, which the OpenAI completions API allows and the server refuses;
 - a watchdog: if the continuous-batching worker dies (the server's `/health` says `cb_worker_dead`), the server
   stops and `resformer-serve` exits with status 1, so a supervisor restarts it, instead of answering 503 forever;
@@ -46,6 +48,7 @@ from ..remote_code.modeling_resformer import (
 from .asgi import answer_json, read_body, replay, with_length
 from .checks import GENERATION_ENDPOINTS, ModelFacts, check_request, load_model_facts
 from .fanout import fan_out, part_bodies
+from .logprobs import outputs_handler, outputs_manager
 from .sampling import per_request_manager, sampling_handler, seeded_manager
 
 PLUGIN_CLASSES = (
@@ -261,11 +264,12 @@ def checked_requests(model_source: str, batching: bool = False) -> Iterator[Serv
         (uvicorn, "Config", _checking_config(uvicorn.Config, checked)),
         (uvicorn, "Server", _recording(uvicorn.Server, state, "server")),
         (utils, "GenerationState", _recording(utils.GenerationState, state, "generation_state")),
-        (completion, "CompletionHandler", sampling_handler(token_ids_handler)),
-        (chat_completion, "ChatCompletionHandler", sampling_handler(chat_completion.ChatCompletionHandler)),
+        (completion, "CompletionHandler", outputs_handler(sampling_handler(token_ids_handler), "completion")),
+        (chat_completion, "ChatCompletionHandler",
+         outputs_handler(sampling_handler(chat_completion.ChatCompletionHandler), "chat")),
         (response, "ResponseHandler", sampling_handler(response.ResponseHandler)),
-        (utils, "GenerateManager", seeded_manager(utils.GenerateManager)),
-        (utils, "CBGenerateManager", per_request_manager(utils.CBGenerateManager)),
+        (utils, "GenerateManager", seeded_manager(outputs_manager(utils.GenerateManager))),
+        (utils, "CBGenerateManager", per_request_manager(outputs_manager(utils.CBGenerateManager))),
     ]
     try:
         with _replaced(replacements):
