@@ -147,8 +147,10 @@ def test_a_training_step_builds_no_tensor_from_python_data_and_reads_none_back(v
 
 
 def test_a_decode_step_reads_no_number_back_beyond_llamas(variant):
-    """Learnable λ stay tensors in a decode step on every device: reading them as Python numbers (a CPU-only path
-    before issue 55) would show here as `.tolist()` / `.item()` syncs, which wait for a GPU."""
+    """A decode step builds no tensor from Python data and reads none back beyond Llama's: on a GPU an `.item()` in
+    the forward (a λ or a gate's shift read as a number) or a `torch.tensor(...)` of λ would wait for the device at
+    every step. (A CPU tensor's `.tolist()` reads its memory without dispatch, so a CPU-only numbers path would not
+    show here; `test_core_model`'s λ changed through `.data` holds that no cache of λ outlives a step.)"""
     config = tiny_config(variant, **SHAPE, num_hidden_layers=4)
     torch.manual_seed(0)
     llama = decode_kernels(LlamaForCausalLM(llama_config_like(config)))

@@ -14,8 +14,8 @@ from resformer_hf.remote_code.configuration_resformer import PER_TOKEN, VARIANTS
 def goal(metric: str, variant: str, hidden: int) -> float:
     """The ratio to Llama a variant should stay within; cells above it are bold.
 
-    Decode steps (eager or compiled, timed or counted in instructions): fixed mixes 1.01 (their λ fold into v_proj's
-    GEMM), the learnable ones 1.03 (their λ table, built from the parameters every step, and one `addcmul` a layer),
+    Decode steps (eager or compiled, timed or counted in instructions): the mixes 1.03 (fixed λ fold into v_proj's
+    GEMM; learnable λ add their table, built from the parameters every step, and one `addcmul` a layer),
     `dense`, NeuTRENO and `gated` 1.06 (a few ops a layer: the depth sum, the correction, the gate's GEMM and lerp),
     DenseFormer 1.10 (a sum over all earlier blocks after every block) and SVFormer 1.00 (fewer ops than Llama). At
     hidden 256 × 8 layers a CPU step is ~95 % dispatch overhead, one op ~0.1 % of it; where a decode step is bound by
@@ -34,7 +34,7 @@ def goal(metric: str, variant: str, hidden: int) -> float:
             return 1.10
         if spec is not None and (keeps_all or spec.lambdas == PER_TOKEN or variant == "neutreno"):
             return 1.06
-        return 1.03 if spec is not None and spec.learnable else 1.01
+        return 1.01 if spec is None or variant == "none" else 1.03
     return 1.05 if keeps_all else (1.01 if hidden >= 512 else 1.02)
 
 

@@ -28,9 +28,9 @@ from .loading import gathered_parameters
 from .mix_kernels import kernels_usable, mix_backward, mix_in_place
 
 #: What a layer hands on to later layers, passed positionally (reentrant checkpointing propagates its gradient): V_0
-#: [B, H_kv, T, D]; or a stack with a row per reader: `dense`'s values of every earlier layer [n, B, H_kv, T, D], or,
-#: decoding a learnable mix, each receiver's λ_first·V_0 [R, B, H_kv, T, D] (layer 0 scales V_0 for all in one op).
-ResidualValues = torch.Tensor
+#: [B, H_kv, T, D]; `dense`: its buffer of every earlier layer's values [n, B, H_kv, T, D]; decoding a learnable mix,
+#: each receiver's λ_first·V_0, which layer 0 scales for all receivers in one op and hands on as one tuple.
+ResidualValues = torch.Tensor | tuple[torch.Tensor, ...]
 #: Up to this many tokens without gradient (a decode step, a speculative draft) layer 0 scales V_0 for every receiver
 #: at once; beyond it (prefill) each receiver scales it, holding one scaled copy at a time instead of R.
 BATCHED_SCALING_MAX_TOKENS = 16
@@ -217,7 +217,7 @@ def own_values(v_proj: nn.Module, hidden_states: torch.Tensor, head_dim: int) ->
 
 def hand_on(own: torch.Tensor, column: torch.Tensor | None) -> ResidualValues:
     """What layer 0 hands on: V_0; decoding a learnable mix, λ_first·V_0 of every receiver (`per_layer`'s column)."""
-    return own if column is None else own * column.to(own.dtype)
+    return own if column is None else (own * column.to(own.dtype)).unbind(0)
 
 
 # ---- mix: λ_first·V_0 + λ_self·V_n ----------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def mixed_values(v_proj: nn.Module, hidden_states: torch.Tensor, first: Residual
     fold into v_proj's GEMM (autograd keeps h and W, as Llama's does); learnable λ need `_ProjectAndMix`, which keeps
     no V_n; decoding, layer 0 scaled V_0 already (`first[row]`) and the mix is one op beyond Llama's."""
     shape = (*hidden_states.shape[:-1], -1, head_dim)
-    if first.dim() == 5:
+    if isinstance(first, tuple):
         return torch.addcmul(first[row], own_values(v_proj, hidden_states, head_dim), lambda_self)
     if not is_plain_linear(v_proj):  # LoRA, hooks, tensor parallelism: called as Llama calls it
         return own_values(v_proj, hidden_states, head_dim) * lambda_self + first * lambda_first
