@@ -60,6 +60,7 @@ from .loading import LAMBDA_CHECKPOINT_CONVERSIONS, CheckpointChecks, modules_ke
 from .parallelism import PIPELINE_PARALLEL_UNSUPPORTED, ParallelismHooks, gathered_parameters, is_pipeline_stage
 from .peft_support import register_peft_target_modules
 from .projections import compute_dtype
+from .value_embeddings import VALUE_EMBEDDING_MODULES, add_value_embedding, attach_value_embedding, need_token_ids
 from .value_gate import ValueGate
 from .value_paths import value_path_for
 from .value_residual import ResidualValues, ValueResidual, needs_value_gradients
@@ -77,6 +78,7 @@ class ResFormerAttention(LlamaAttention):
         self.value_path = value_path_for(config, layer_idx)
         self.value_path.attach(self)
         share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
+        attach_value_embedding(self, config, layer_idx)  # value embeddings: this layer's table and gate, if it has one
 
     def forward(
         self,
@@ -89,6 +91,7 @@ class ResFormerAttention(LlamaAttention):
         cache: Cache | None = None,
         shared_keys_values: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
         value_gradients: bool = False,
+        value_embedding_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, tuple]:
         """Returns (attention output, attention weights, what later layers read of the values (`residual_values`),
@@ -100,6 +103,7 @@ class ResFormerAttention(LlamaAttention):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         value_states, residual_values, own_values = self.value_path(self, hidden_states, residual_values, lambda_first,
                                                               lambda_self, value_gradients)
+        value_states = add_value_embedding(self, value_states, hidden_states, value_embedding_ids)  # value embeddings
 
         cos, sin = position_embeddings
         query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -142,7 +146,7 @@ class ResFormerSharedKeysValuesAttention(ResFormerAttention):
 
     def forward(self, hidden_states, residual_values, lambda_first, lambda_self, position_embeddings=None,
                 attention_mask=None, cache=None, shared_keys_values=(None, None), value_gradients=False,
-                **kwargs: Unpack[TransformersKwargs]):
+                value_embedding_ids=None, **kwargs: Unpack[TransformersKwargs]):  # value embeddings: never here
         input_shape = hidden_states.shape[:-1]
         query_states = shared_keys_values_queries(self, hidden_states, shared_keys_values, position_embeddings)
         # Indexed, not unpacked: under torch.fx tracing (vLLM) the pair is one traced value.
@@ -192,6 +196,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         value_gradients: bool = False,
+        value_embedding_ids: torch.LongTensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
@@ -208,6 +213,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             shared_keys_values=(shared_keys, shared_values),
             value_gradients=value_gradients,
+            value_embedding_ids=value_embedding_ids,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -256,7 +262,7 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, (ValueResidual, DepthWeightedAverage, ValueGate)):  # offsets and gates start at zero
+        if isinstance(module, (ValueResidual, DepthWeightedAverage, ValueGate, *VALUE_EMBEDDING_MODULES)):  # at zero
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
         if isinstance(module, (ValueResidual, DepthWeightedAverage)):  # buffers a meta-device build left empty
@@ -321,6 +327,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        need_token_ids(self.config, input_ids)  # value embeddings: a ValueError for inputs_embeds alone
         if is_pipeline_stage(self):
             raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)  # split by transformers' pipeline stages
         refuse_unread_cache(kwargs, f"{type(self).__name__}.forward")
@@ -370,6 +377,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
                 cache=cache,
                 use_cache=use_cache,
                 value_gradients=value_gradients,
+                value_embedding_ids=input_ids,  # value embeddings
                 **kwargs,
             )
             if stream is not None:
@@ -437,13 +445,6 @@ def register_model_type_names() -> None:
         getattr(modeling_auto, table_name).setdefault(ResFormerConfig.model_type, model_class.__name__)
 
 
-__all__ = [
-    "MODEL_TYPE_NAME_TABLES",
-    "register_model_type_names",
-    "ResFormerPreTrainedModel",
-    "ResFormerModel",
-    "ResFormerForCausalLM",
-    "ResFormerForSequenceClassification",
-    "ResFormerForQuestionAnswering",
-    "ResFormerForTokenClassification",
-]
+__all__ = ["MODEL_TYPE_NAME_TABLES", "register_model_type_names", "ResFormerPreTrainedModel", "ResFormerModel",
+           "ResFormerForCausalLM", "ResFormerForSequenceClassification", "ResFormerForQuestionAnswering",
+           "ResFormerForTokenClassification"]
