@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ._compat import ALL_PARALLEL_STYLES
+from .value_embeddings import VALUE_EMBEDDING_TP_PLAN
 
 try:  # transformers' pipeline stages put this placeholder where a layer lives on another stage
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
@@ -123,6 +124,8 @@ class ParallelismHooks:
         super().init_parallel_plans()
         if self.base_model is self and self.config.layers_with_value_gate:
             self._tp_plan.update(VALUE_GATE_TP_PLAN)
+        if self.base_model is self and self.config.value_embedding_layers:  # value embeddings: split by kv head
+            self._tp_plan.update(VALUE_EMBEDDING_TP_PLAN)
 
     @classmethod
     def prepare_distribute_model(cls, distributed_config, device_map=None):

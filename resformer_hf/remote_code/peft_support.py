@@ -24,10 +24,11 @@ import importlib.util
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
-#: The modules holding every λ (and DenseFormer's depth weights, `gated`'s value gates); pass as PEFT
+#: The modules holding every λ (and DenseFormer's depth weights, `gated`'s value gates, value embeddings' tables and
+#: gates); pass as PEFT
 #: `modules_to_save` to train them alongside an adapter. A model without one of them simply has nothing to save under
 #: that name.
-LAMBDA_MODULES = ["value_residual", "depth_weighted_average", "value_gate"]
+LAMBDA_MODULES = ["value_residual", "depth_weighted_average", "value_gate", "value_embedding", "value_embedding_gate"]
 
 _MODEL_TYPE = "resformer"
 _TEMPLATE_MODEL_TYPE = "llama"
