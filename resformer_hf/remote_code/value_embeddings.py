@@ -26,8 +26,6 @@ from ._compat import ALL_PARALLEL_STYLES
 FIELD = "value_embeddings"
 #: Gate input: the first channels of the layer's normalised input (nanochat's `ve_gate_channels = 12`)
 GATE_CHANNELS = 12
-#: Variants whose layers may have tables: their receivers attend over V' built from their own `v_proj`
-COMBINES_WITH = ("none", "identity", "constant", "learnable", "learnable_plus", "sparse")
 NEEDS_INPUT_IDS = (
     "This model has value embeddings (config.value_embeddings): each of their layers adds a row of its table indexed "
     "by the token id to its values, so it needs input_ids; inputs_embeds alone cannot give them. Pass input_ids "
@@ -47,6 +45,15 @@ def u_net(num_layers: int) -> list[int]:
 
 
 LAYOUTS = {"alternating": alternating, "u_net": u_net}
+
+
+def combinable_variants() -> tuple[str, ...]:
+    """Variants whose layers may have tables: each layer attends over values of its own v_proj, plain or mixed
+    with V_0 (roles "plain" and "mix" of the registry, DenseFormer's depth averages aside)."""
+    from .configuration_resformer import MIX, PLAIN, VARIANTS  # late: the configuration imports this file
+
+    return tuple(name for name, spec in VARIANTS.items()
+                 if spec.role in (PLAIN, MIX) and not spec.depth_weighted_average)
 
 
 def value_embedding_layers(config) -> tuple[int, ...]:
@@ -70,10 +77,11 @@ def value_embedding_layers(config) -> tuple[int, ...]:
             raise ValueError(f"{FIELD}={layers} lists a layer twice; give each index once.")
     else:
         raise ValueError(f"{FIELD}={chosen!r} must be None, a list of layer indices or one of {', '.join(LAYOUTS)}.")
-    if config.value_residual not in COMBINES_WITH:
+    if config.value_residual not in combinable_variants():
         raise ValueError(
             f"{FIELD} does not combine with value_residual={config.value_residual!r} (its layers do not attend over "
-            f"values of their own v_proj, or its cache stores V_0 once); use one of: {', '.join(COMBINES_WITH)}."
+            f"values of their own v_proj, or its cache stores V_0 once); use one of: "
+            f"{', '.join(combinable_variants())}."
         )
     shared = sorted(set(layers) & set(config.layers_reading_shared_keys_values))
     if shared:
