@@ -260,3 +260,27 @@ def test_cross_layer_attention_producers_may_have_tables():
     with torch.no_grad():
         expected = reference_logits(model.config, state_of(model), input_ids)
         assert (model(input_ids).logits - expected).abs().max().item() <= 2e-5
+
+
+#: Kernels (aten ops, views excluded) a layer with a table adds, measured and held so they cannot grow: a decode step
+#: the lookup, the gate's GEMM (and the reshape of its 3-D input), its sigmoid and one addcmul; a bf16 training step
+#: those, their backward (the table's dense gradient, the gate's), and autocast's casts of the gate and rows.
+TABLE_KERNELS = {"decode": 5, "training": 24}
+
+
+@pytest.mark.parametrize("kind", ["decode", "training"])
+def test_a_layer_with_a_table_adds_a_fixed_number_of_kernels_and_one_without_adds_none(kind):
+    from test_kernel_budgets import SHAPE, decode_kernels, training_kernels
+
+    count = decode_kernels if kind == "decode" else training_kernels
+    extra = {}
+    for depth in (8, 12):
+        totals = []
+        for layout in (None, [], "alternating"):
+            torch.manual_seed(0)
+            config = tiny_config("learnable_plus", **SHAPE, num_hidden_layers=depth, value_embeddings=layout)
+            totals.append(sum(count(model_with_random_lambdas(config)).values()))
+        assert totals[0] == totals[1]  # no tables: not one op more
+        extra[depth] = totals[2] - totals[0]
+    per_layer = (extra[12] - extra[8]) / 2  # alternating: 6 tables at 12 layers, 4 at 8
+    assert per_layer <= TABLE_KERNELS[kind] and extra[8] - 4 * per_layer <= 0, (per_layer, extra)
