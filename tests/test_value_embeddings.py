@@ -162,6 +162,12 @@ def test_a_checkpoint_without_tables_loads_them_at_zero(tmp_path):
         assert (model(input_ids).logits - llama(input_ids).logits).abs().max().item() <= 1e-5
 
 
+def test_a_checkpoint_with_tables_loaded_without_them_is_refused_not_stripped(tmp_path):
+    model_with_tables("learnable_plus", "alternating").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"value-embedding tables for layers \[3\], which value_embeddings=\[1\]"):
+        ResFormerForCausalLM.from_pretrained(tmp_path, value_embeddings=[1])
+
+
 def test_save_load_round_trip_keeps_tables_in_the_model_dtype(tmp_path):
     model = model_with_tables("learnable_plus", "alternating")
     model.save_pretrained(tmp_path)

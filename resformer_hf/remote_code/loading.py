@@ -59,6 +59,16 @@ def check_value_gates(config: ResFormerConfig, unexpected_keys) -> None:
         )
 
 
+def check_value_embedding_tables(config: ResFormerConfig, unexpected_keys) -> None:
+    """Refuse a checkpoint with value-embedding tables in layers that have none, instead of dropping them (missing
+    tables are fine: they load as zeros, the documented start)."""
+    extra = [n for n in _layers_with(unexpected_keys, "value_embedding") if n not in config.value_embedding_layers]
+    if extra:
+        raise ValueError(f"value_embeddings mismatch: the checkpoint has value-embedding tables for layers {extra}, "
+                         f"which value_embeddings={config.value_embeddings!r} does not give one; load it with the "
+                         "value_embeddings its config.json names.")
+
+
 def check_lambdas_are_finite(value_residual: nn.Module) -> None:
     """Refuse NaN/inf λ from a checkpoint, as the config refuses them: they would silently give NaN logits."""
     for name, parameter in value_residual.named_parameters():
@@ -107,6 +117,7 @@ class CheckpointChecks:
         check_key_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
         check_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
         check_value_gates(self.config, loading_info.unexpected_keys)
+        check_value_embedding_tables(self.config, loading_info.unexpected_keys)  # value embeddings
         check_lambdas_are_finite(self.base_model.value_residual)
 
 
