@@ -29,6 +29,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: The name benchmarks use for the HF Llama baseline next to ResFormer's `value_residual` variants.
 BASELINE = "llama"
+#: Benchmark arm names with value embeddings (issue 56) in nanochat's alternating layout: `value_embeddings` (no value
+#: residual) and `VARIANT+value_embeddings`.
+VALUE_EMBEDDINGS = "value_embeddings"
 
 
 def add_device_args(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +55,9 @@ def model_config(variant: str, **size) -> LlamaConfig:
     """A `LlamaConfig` (for `variant == "llama"`) or `ResFormerConfig` with exactly the same size fields."""
     if variant == BASELINE:
         return LlamaConfig(**size)
+    if variant.endswith(VALUE_EMBEDDINGS):  # `value_embeddings` alone, or `VARIANT+value_embeddings`
+        base = variant.removesuffix(VALUE_EMBEDDINGS).removesuffix("+") or "none"
+        return ResFormerConfig(**size, value_residual=base, value_embeddings="alternating")
     return ResFormerConfig(**size, value_residual=variant)
 
 

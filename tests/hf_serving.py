@@ -51,6 +51,14 @@ def write_folders(root: Path) -> dict[str, Path]:
         model = model_with_random_lambdas(ResFormerConfig(**shape, value_residual=variant))
         folders[variant] = root / variant
         save_for_hub(model, folders[variant], tokenizer=tokenizer)
+    torch.manual_seed(3)  # value embeddings (issue 56): learnable_plus with random tables and gates in layers 1, 3
+    model = model_with_random_lambdas(ResFormerConfig(**shape, value_residual="learnable_plus",
+                                                      value_embeddings="alternating"))
+    with torch.no_grad():
+        for parameter in (p for name, p in model.named_parameters() if ".value_embedding" in name):
+            parameter.normal_(0.0, 0.5)
+    folders["value_embeddings"] = root / "value_embeddings"
+    save_for_hub(model, folders["value_embeddings"], tokenizer=tokenizer)
     torch.manual_seed(2)
     folders["llama"] = root / "llama"
     LlamaForCausalLM(LlamaConfig(**shape)).eval().save_pretrained(folders["llama"])

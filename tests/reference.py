@@ -1,6 +1,7 @@
 """An independent plain-torch ResFormer forward pass, written from the paper's equations, with the baselines it
 is compared with: DenseFormer's depth-weighted averages (Pagliardini et al., 2024) and cross-layer attention (CLA,
-Brandon et al., 2024).
+Brandon et al., 2024), and value embeddings (modded-nanogpt, nanochat): `V'' = V' + 2·σ(x̂[..., :12] W_gᵀ)·E[token]`
+per kv head in the layers that have a table.
 
 It reads only the state dict and the config fields, never the package's modules, so agreement with
 `ResFormerForCausalLM` checks the implementation rather than restating it.
@@ -100,6 +101,7 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
     eps = config.rms_norm_eps
     theta = config.rope_parameters["rope_theta"]
     weights = effective_weights(config, state)
+    tables = value_embedding_layers(config)
     positions = torch.arange(T)
     causal = torch.full((T, T), float("-inf")).triu(1)
 
@@ -131,6 +133,8 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
             v = gated_values(state, p, h, w[0], raw_values[0], v_own)
         elif w is not None and config.value_residual not in ("neutreno", "svformer"):
             v = sum(_scaled(coef, raw_values[j]) for j, coef in w.items())
+        if n in tables:  # after the mix, on what the layer attends over and caches; V_0 above stays v_proj's
+            v = v + value_embedding(state, p, h, input_ids, B, T, Hkv, D)
         q, k = rope(q, positions, theta), rope(k, positions, theta)
         shared[n] = (k, v)
         attn = _attention(q, k, v, H // Hkv, causal)
@@ -155,6 +159,28 @@ def _linear(x, state, name: str) -> torch.Tensor:
     """x Wᵀ + b, the bias where the state dict has one (`attention_bias=True`)."""
     out = x @ state[name + ".weight"].T
     return out if name + ".bias" not in state else out + state[name + ".bias"]
+
+
+def value_embedding_layers(config) -> list[int]:
+    """Layers with a table: the listed ones, `"u_net"` = {1, 2, L−3, L−2, L−1} within 1..L−1 (modded-nanogpt's 11-layer
+    layout 1, 2, 8, 9, 10), `"alternating"` = those an even distance below the last layer (nanochat's `has_ve`)."""
+    chosen, L = getattr(config, "value_embeddings", None), config.num_hidden_layers
+    if not chosen:
+        return []
+    if chosen == "alternating":
+        return [n for n in range(L) if (L - 1 - n) % 2 == 0]
+    if chosen == "u_net":
+        return sorted({n for n in (1, 2, L - 3, L - 2, L - 1) if 1 <= n < L})
+    return sorted(chosen)
+
+
+def value_embedding(state, p: str, h, input_ids, B: int, T: int, Hkv: int, D: int) -> torch.Tensor:
+    """`g·E[token]` [B, H_kv, T, D]: the layer's table row of each token (columns: kv head by kv head), times its gate
+    `g = 2·σ(h[..., :12] W_gᵀ)` per token and kv head, h the layer's normalised input."""
+    weight = state[p + "self_attn.value_embedding_gate.weight"]  # [H_kv, channels]
+    g = 2.0 / (1.0 + torch.exp(-(h[..., : weight.shape[1]] @ weight.T)))  # [B, T, H_kv]
+    rows = state[p + "self_attn.value_embedding.weight"][input_ids].view(B, T, Hkv, D)
+    return (g.unsqueeze(-1) * rows).transpose(1, 2)
 
 
 def _attention(q, k, v, groups: int, causal: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,19 @@ def test_generate_batch_gives_generates_greedy_tokens(variant):
     assert generate_continuously(model, prompts) == expected
 
 
+@pytest.mark.parametrize(("variant", "layout"), [("learnable_plus", "alternating"), ("none", [0, 2])])
+def test_value_embeddings_in_pages_give_generates_greedy_tokens(variant, layout):
+    """Value embeddings (issue 56): every layer pages V' + g·E[token]; tables and gates random, so they count."""
+    torch.manual_seed(0)
+    model = sharpened(randomised_model(variant, value_embeddings=layout))
+    with torch.no_grad():
+        for parameter in (p for name, p in model.named_parameters() if ".value_embedding" in name):
+            parameter.normal_(0.0, 0.5)
+    prompts = _prompts()
+    expected = generate_one_by_one(model, prompts)
+    assert generate_continuously(model, prompts) == expected
+
+
 @pytest.mark.parametrize("case", CLA)
 def test_cross_layer_attention_in_pages_of_its_producers_gives_generates_greedy_tokens(case):
     """Consumers read (and rewrite) their producer's pages, also with pages of 8 tokens (requests span blocks)."""

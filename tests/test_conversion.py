@@ -164,6 +164,41 @@ def test_preserving_conversion_matches_source(sources, tmp_path, kind, variant):
     assert offsets["lambda_self_offset"].grad.abs().sum().item() > 0
 
 
+@pytest.mark.parametrize(("kind", "variant", "layout"), [("llama-bf16", "learnable", "alternating"),
+                                                       ("llama-sharded", "learnable_plus", [0, 2])])
+def test_value_embeddings_are_added_as_zeros_in_the_weights_dtype_and_keep_the_outputs(sources, tmp_path, kind,
+                                                                                        variant, layout):
+    """Issue 56: `value_embeddings=` (`--value-embeddings`) writes every table and gate as zeros, in the source's
+    dtype (bf16 stays bf16, a table is vocabulary-sized), so the converted model computes the source's logits exactly
+    (verified) and its tables get gradient at the first step."""
+    dst = tmp_path / "converted"
+    report = convert_llama_checkpoint(sources[kind], dst, variant=variant, value_embeddings=layout, verify=True,
+                                      progress=False)
+    assert report.max_abs_logit_diff == 0.0
+    assert json.loads((dst / "config.json").read_text())["value_embeddings"] == layout
+    ids = probe_ids(SMALL["vocab_size"])
+    assert torch.equal(logits_of(dst, ids), logits_of(sources[kind], ids))
+    converted = AutoModelForCausalLM.from_pretrained(dst, dtype="auto")
+    layers = converted.config.value_embedding_layers
+    tables = {n: p for n, p in converted.named_parameters() if ".self_attn.value_embedding" in n}
+    assert set(tables) <= set(report.added_tensors) and len(tables) == 2 * len(layers)
+    source_dtype = converted.model.embed_tokens.weight.dtype
+    assert all(p.dtype == source_dtype and not p.any() for p in tables.values())
+    converted.float().train()
+    converted(input_ids=ids, labels=ids).loss.backward()
+    assert all(tables[f"model.layers.{n}.self_attn.value_embedding.weight"].grad.abs().sum() > 0 for n in layers)
+
+
+def test_the_value_embeddings_flag_takes_a_layout_or_layer_indices(sources, tmp_path):
+    from resformer_hf.cli.convert import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["a", "b", "--value-embeddings", "u_net"]).value_embeddings == "u_net"
+    assert parse(["a", "b", "--value-embeddings", "1,3"]).value_embeddings == [1, 3]
+    with pytest.raises(ConversionError, match="value_embeddings='unet' is not a layout"):
+        convert_llama_checkpoint(sources["llama-tied"], tmp_path / "x", value_embeddings="unet", progress=False)
+
+
 def _stored_tensors(directory: Path) -> dict[str, str]:
     """Tensor name -> file, read from the safetensors headers (and checked against the index when sharded)."""
     stored = {}

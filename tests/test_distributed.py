@@ -128,7 +128,11 @@ def write_data(folder: Path) -> Path:
         LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).save_pretrained(folder / f"llama{suffix}")
         for name in RESFORMERS:
             torch.manual_seed(0)
-            model = model_with_random_lambdas(tiny_config(name, **overrides))
+            tables = {"value_embeddings": [1, 3]} if name == "value_embeddings" else {}
+            model = model_with_random_lambdas(tiny_config("learnable_plus" if tables else name, **tables, **overrides))
+            with torch.no_grad():  # value embeddings: random tables and gates, so both get gradient at once
+                for parameter in (p for n, p in model.named_parameters() if ".value_embedding" in n):
+                    parameter.normal_(0.0, 0.5)
             save = save_with_scalar_lambda_scale if name == "learnable_plus" else type(model).save_pretrained
             save(model, folder / f"{name}{suffix}")
     batch = torch.randint(3, TINY["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(1))

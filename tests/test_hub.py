@@ -113,6 +113,8 @@ def _perturb_lambdas(model) -> None:
         depth = getattr(model.base_model, "depth_weighted_average", None)  # DenseFormer's depth weights too
         gates = [layer.self_attn.value_gate for layer in model.base_model.layers  # `gated`'s gates start at zero
                  if getattr(layer.self_attn, "value_gate", None) is not None]
+        gates += [module for layer in model.base_model.layers if getattr(layer.self_attn, "has_value_embedding", 0)
+                  for module in (layer.self_attn.value_embedding, layer.self_attn.value_embedding_gate)]  # at zero
         for parameter in [*model.base_model.value_residual.parameters(), *(depth.parameters() if depth else ()),
                           *(p for gate in gates for p in gate.parameters())]:
             parameter.add_(torch.randn_like(parameter) * 0.3)
@@ -167,6 +169,8 @@ def test_fresh_process_without_the_plugin_reproduces_outputs(tmp_path):
         "svformer": (ResFormerForCausalLM, tiny_config("svformer"), "AutoModelForCausalLM"),
         "neutreno": (ResFormerForCausalLM, tiny_config("neutreno"), "AutoModelForCausalLM"),
         "gated": (ResFormerForCausalLM, tiny_config("gated"), "AutoModelForCausalLM"),
+        "value_embeddings": (ResFormerForCausalLM, tiny_config("learnable_plus", value_embeddings="alternating"),
+                             "AutoModelForCausalLM"),
         "svformer_cla2": (ResFormerForCausalLM, tiny_config("svformer", cross_layer_attention=2),
                           "AutoModelForCausalLM"),
         "denseformer_cla2": (ResFormerForCausalLM, tiny_config("denseformer", cross_layer_attention=2,

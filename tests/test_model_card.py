@@ -103,6 +103,17 @@ def test_a_gated_models_table_shows_its_gates_mix_and_says_how_to_read_it():
     assert "learned ones stored in this checkpoint" in card.content and "mixes per token and kv head" in card.content
 
 
+def test_a_card_states_the_value_embedding_layers_and_the_parameters_they_add():
+    """Issue 56: the layers with a table and the exact number of parameters the tables and gates add (counted on the
+    model); a model without tables has no such row."""
+    config = tiny_config("learnable_plus", value_embeddings="alternating")
+    added = sum(p.numel() for name, p in ResFormerForCausalLM(config).named_parameters() if ".value_embedding" in name)
+    content = build_model_card(config).content
+    assert f"| value embeddings | layers 1, 3 add `g·E[token]` to their values (`alternating`): {added:,} parameters" \
+        in content and added == 2 * (128 * 16 + 2 * 12)
+    assert "| value embeddings |" not in build_model_card(tiny_config("learnable_plus")).content
+
+
 def test_write_model_card_round_trips_through_readme(tmp_path):
     config = tiny_config("svformer")
     path = write_model_card(tmp_path / "out", config, license="mit", training={"steps": 5})

@@ -238,3 +238,37 @@ def test_value_gates_train_with_lora_and_travel_with_the_adapter(data, tmp_path)
     standalone = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     torch.testing.assert_close(standalone.value_residual_lambdas(), trained_table, rtol=0, atol=0)
     torch.testing.assert_close(logits(standalone, probe), adapted, rtol=0, atol=1e-5)
+
+
+def test_value_embeddings_train_with_lora_on_the_default_targets_and_travel_with_the_adapter(data, tmp_path):
+    """Value embeddings (issue 56): LoRA on Llama's default targets, `LAMBDA_MODULES` trains each layer's table and
+    gate beside it (both start at zero: the tables get gradient at once, the gates once the tables moved); the
+    adapter holds them, reloads to the same logits and merges into a standalone model with real tables."""
+    from resformer_hf.remote_code.value_embeddings import ValueEmbedding
+
+    model = build_model(len(data[0]), value_embeddings="alternating")
+    model.save_pretrained(tmp_path / "base")
+    probe, layers = data[2], model.config.value_embedding_layers
+    peft_model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8,
+                                                  modules_to_save=LAMBDA_MODULES))
+    assert adapted_module_names(peft_model, "lora_A") == adapted_module_names(
+        get_peft_model(llama_twin(model), LoraConfig(task_type="CAUSAL_LM", r=4, lora_alpha=8)), "lora_A")
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad and "lora_" not in name}
+    tables = {f"base_model.model.model.layers.{layer}.self_attn.{module}.modules_to_save.default.weight"
+              for layer in layers for module in ("value_embedding", "value_embedding_gate")}
+    assert tables <= trainable
+    train(peft_model, data, tmp_path / "run")
+    attention = peft_model.base_model.model.model.layers[layers[-1]].self_attn
+    assert attention.value_embedding.modules_to_save["default"].weight.abs().max() > 1e-4
+    assert attention.value_embedding_gate.modules_to_save["default"].weight.abs().max() > 0
+    assert not attention.value_embedding.original_module.weight.any()  # the base keeps its zero tables
+    adapted = logits(peft_model, probe)
+
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as saved:
+        assert sum(".value_embedding" in key for key in saved.keys()) == 2 * len(layers)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    torch.testing.assert_close(logits(reloaded, probe), adapted, rtol=0, atol=1e-6)
+    merged = reloaded.merge_and_unload()
+    assert type(merged.model.layers[layers[-1]].self_attn.value_embedding) is ValueEmbedding
+    torch.testing.assert_close(logits(merged, probe), adapted, rtol=0, atol=1e-5)

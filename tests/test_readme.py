@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 #: The docs pages in the order their snippets run, after README.md's (each may use what earlier pages saved).
-PAGES = ["fine-tuning", "scaling-out", "conversion", "hub", "serving", "baselines", "svformer-memory", "analysis",
-         "supported-releases", "works-with", "results", "development"]
+PAGES = ["fine-tuning", "scaling-out", "conversion", "hub", "serving", "baselines", "value-embeddings",
+         "svformer-memory", "analysis", "supported-releases", "works-with", "results", "development"]
 DOCUMENTS = [README, *(DOCS / f"{page}.md" for page in PAGES)]
 CI_SCRIPT = REPO / ".ci" / "run"
 #: The README sections whose commands CI runs as written, and the script that runs them (.ci/run calls the others).

@@ -59,6 +59,12 @@ def gated(folders, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def value_embeddings(folders, tmp_path_factory):
+    """Value embeddings (random tables and gates) served with continuous batching."""
+    yield from served(folders, tmp_path_factory, "value_embeddings", *CB_FLAGS)
+
+
+@pytest.fixture(scope="module")
 def control(folders, tmp_path_factory):
     """The Llama control, with continuous batching."""
     yield from served(folders, tmp_path_factory, "llama", *CB_FLAGS)
@@ -81,7 +87,7 @@ def test_completions_and_chat_equal_generate(plain):
         assert server.chat(content, stream=True) == reference.chat(content, stream=True), content
 
 
-@pytest.mark.parametrize("fixture", ["plain", "batched", "gated", "control"])
+@pytest.mark.parametrize("fixture", ["plain", "batched", "gated", "value_embeddings", "control"])
 def test_concurrent_requests_equal_generate(fixture, request):
     server, reference = request.getfixturevalue(fixture)
     prompts = [PROMPTS[index % len(PROMPTS)] for index in range(CONCURRENT)]

@@ -90,6 +90,12 @@ def served(tmp_path_factory):
         torch.manual_seed(100 + index)
         model = model_with_random_lambdas(ResFormerConfig(**shape, **fields))
         folders[name] = save_for_hub(model, root / name, tokenizer=tokenizer)
+    torch.manual_seed(200)  # value embeddings (issue 56): random tables and gates, so the tokens depend on them
+    model = model_with_random_lambdas(ResFormerConfig(**shape, value_embeddings="alternating"))
+    with torch.no_grad():
+        for parameter in (p for name, p in model.named_parameters() if ".value_embedding" in name):
+            parameter.normal_(0.0, 0.5)
+    folders["value_embeddings"] = save_for_hub(model, root / "value_embeddings", tokenizer=tokenizer)
     references = {name: greedy(folder, prompts, tokenizer.pad_token_id) for name, folder in folders.items()}
     return dict(root=root, folders=folders, prompts=prompts, texts=texts, references=references, tokenizer=tokenizer)
 
@@ -223,6 +229,19 @@ def test_offline_from_remote_code_alone(served, tmp_path):
         probe = results[name]["probe"]
         assert not probe["plugin_importable"] and not probe["plugin_imported"], probe
         assert probe["model_class"].startswith("transformers_modules."), probe
+
+
+@pytest.mark.parametrize("import_plugin", [True, False])
+def test_offline_value_embeddings(served, tmp_path, import_plugin):
+    """Value embeddings (learnable_plus with tables in layers 1 and 3): `generate()`'s greedy tokens with the
+    plugin's vLLM model and from the folder's remote code alone; vLLM's cache pages hold V' + g·E[token] as the
+    model's cache does, so its bytes per token are a Llama's."""
+    job = engine_job(served, ("value_embeddings",), import_plugin=import_plugin)
+    if import_plugin:  # as in test_offline_with_plugin; without it, as in test_offline_from_remote_code_alone
+        job["runs"][0]["engine_args"] = dict(model_impl="auto")
+    results = run_engine(job, tmp_path, hide_plugin=not import_plugin)
+    assert_same_tokens(served, results, ("value_embeddings",))
+    assert len(results["value_embeddings"]["probe"]["attention_layers"]) == TINY["num_hidden_layers"]
 
 
 def test_offline_every_other_variant(served, tmp_path):

@@ -254,6 +254,22 @@ def test_studies_that_ask_for_the_same_run_share_it():
     assert planned("pretrain")["data"]["corpus"] == "../shared/data/corpus"  # repository-relative, any checkout
 
 
+def test_value_embedding_studies_share_the_stored_llama_and_learnable_plus_runs():
+    """Issue 56: the lr study's and the ten-seed study's Llama and learnable_plus runs are lr_sweep's and tuned_seeds';
+    the arms with tables are other runs, named by their layout; the wide Llama only by its MLP; an arm's own lr."""
+    assert planned("value_embeddings_lr", 6e-3, "learnable_plus") == planned("lr_sweep", 6e-3, "learnable_plus")
+    assert planned("value_embeddings", "python-stdlib") == planned("tuned_seeds", "python-stdlib")
+    tables = planned("value_embeddings", "english", "value_embeddings+learnable_plus")
+    assert tables["model"] == {**planned("value_embeddings", "english", "learnable_plus")["model"],
+                               "value_embeddings": "alternating"}
+    wide = planned("value_embeddings", "english", "llama_wide")["model"]
+    assert wide == {**planned("value_embeddings", "english")["model"], "intermediate_size": 704}
+    long, short = catalogue.study("uptrain_long"), catalogue.study("uptrain")
+    start, tables = plan.uptrain_identities(long.settings, long.continuation, long.arm("value_embeddings"), 0, "cpu")
+    assert start == plan.uptrain_identities(short.settings, short.continuation, short.arm("llama"), 0, "cpu")[0]
+    assert tables["arm"]["value_embeddings"] == "alternating" and tables["budget"]["tokens"] == 2_500_000
+
+
 def test_defaults_are_explicit_in_an_identity():
     size = ModelSize(128, 6, 4)
     assert plan.model_identity("llama", size) == plan.model_identity("llama", ModelSize(128, 6, 4, 4, 352, 1))

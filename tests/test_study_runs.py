@@ -293,3 +293,21 @@ def test_baselines_study_shares_the_context_studys_runs_and_measures_cache_bytes
     declared = catalogue.study("baselines")
     missing = len(declared.arms) * (len(declared.seeds) - 1)  # every arm's seeds but seed 0
     assert f"**Incomplete**: {missing} run(s) not finished yet (llama/seed1, llama/seed2, " in table
+
+
+def test_uptrain_long_gives_the_trained_llama_tables_that_start_at_its_loss(where):
+    """Issue 56: the Llama given value-embedding tables (zero), with and without λ, starts at the Llama's loss and
+    the tables train: the continuations end elsewhere than the Llama's."""
+    cli.main(["run", "uptrain_long", *TINY_DATA, "--seq-len", "32", "--batch-size", "4", "--hidden-size", "32",
+              "--layers", "3", "--heads", "2", "--pretrain-tokens", "512", "--tokens", "384", "--eval-every", "1",
+              "--seeds", "0", *where])
+    runs = {(r["identity"]["arm"]["variant"], r["identity"]["arm"].get("value_embeddings")): r["result"]
+            for r in records(where) if r["identity"]["kind"] == "continue"}
+    assert set(runs) == {("llama", None), ("learnable", None), ("none", "alternating"),
+                         ("learnable", "alternating")}
+    start = {arm: run["curve"][0][1] for arm, run in runs.items()}
+    end = {arm: run["curve"][-1][1] for arm, run in runs.items()}
+    for arm in runs:
+        assert start[arm] == pytest.approx(start[("llama", None)], abs=1e-5), arm
+    assert abs(end[("none", "alternating")] - end[("llama", None)]) > 1e-5
+    assert "| `value_embeddings` |" in open(f"{where[3]}/uptrain_long.md").read()

@@ -17,7 +17,9 @@ REMOTE_CODE = Path(remote_code.__file__).parent
 COPIED = sorted(path for path in REMOTE_CODE.glob("*.py") if path.name != "__init__.py")
 #: The value residual's own code: the λ and every formula, `dense` and DenseFormer's buffers, the CUDA mix kernels.
 VALUE_CODE = ("value_residual.py", "depth_weighted_average.py", "mix_kernels.py")
-REMOTE_CODE_FILES, REMOTE_CODE_LINES, VALUE_CODE_LINES = 8, 2700, 800
+#: Issue 55's budgets (eight files, 2,700 lines), plus what issue 56 allowed value embeddings: 200 lines, which are
+#: one file of their own (`value_embeddings.py`; in any other file they would put it over 450 lines).
+REMOTE_CODE_FILES, REMOTE_CODE_LINES, VALUE_CODE_LINES = 8 + 1, 2700 + 200, 800
 #: What a reader follows for `learnable_plus`, training and decoding: the attention that switches on its role, the
 #: λ module, the mix and its autograd function, and the helpers they call. The decoder layer's and the model's
 #: forwards are Llama's, passing the λ and V_0 along; the Triton kernels are CUDA's ops for the mix's two lines.

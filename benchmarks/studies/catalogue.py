@@ -7,6 +7,7 @@ seed and device) share it: it is trained once.
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 from benchmarks.common import BASELINE
@@ -17,6 +18,20 @@ SEED_ARMS = (Arm(BASELINE), Arm("identity"), Arm("learnable_plus"), Arm("svforme
 #: The context-length study's context-512 settings, which the tuned and baseline studies share.
 CONTEXT_512 = Settings(seq_len=512, batch_size=4)
 LEARNING_RATES = (1e-3, 3e-3, 6e-3)
+#: The value-embedding studies' arms (issue 56): Llama, learnable_plus, value embeddings alone and with learnable_plus
+#: (nanochat's alternating layout: layers 1, 3, 5 of 6, +786,576 parameters at the context-512 settings: three
+#: [2048, 128] tables and their [4, 12] gates), and a Llama with a 704-wide MLP instead of 352, the parameter-matched
+#: control (2,278,880 parameters, 1.1 % more than the largest arm's 2,254,619; Llama 1,468,032).
+VALUE_EMBEDDING_ARMS = (
+    Arm(BASELINE, description="Llama (1,468,032 parameters)"),
+    Arm("learnable_plus", description="ResFormer (learnable-plus λ; +11 parameters)"),
+    Arm("value_embeddings", "none", value_embeddings="alternating",
+        description="value embeddings alone (layers 1, 3, 5; +786,576 parameters)"),
+    Arm("value_embeddings+learnable_plus", "learnable_plus", value_embeddings="alternating",
+        description="value embeddings + learnable_plus (+786,587 parameters)"),
+    Arm("llama_wide", BASELINE, intermediate_size=704,
+        description="Llama with a 704-wide MLP: the parameter-matched control (+810,848 parameters)"),
+)
 
 STUDIES: dict[str, Study] = {study.name: study for study in (
     Study(
@@ -47,6 +62,25 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
         "Llama at the tuned settings, both corpora; where do the gates end up?",
         report="paired", arms=(Arm(BASELINE), Arm("learnable_plus"), Arm("gated")), settings=CONTEXT_512,
         seeds=tuple(range(10)), grid=Grid("corpora", "corpus", ("english", "python-stdlib")),
+    ),
+    Study(
+        "value_embeddings_lr", "value embeddings (issue 56): every arm at 1e-3, 3e-3 and 6e-3 on English text, the "
+        "grid its paired study takes each arm's best learning rate from (Llama's and learnable_plus's runs are "
+        "lr_sweep's)", report="tuned", arms=VALUE_EMBEDDING_ARMS, settings=CONTEXT_512,
+        grid=Grid("lrs", "lr", LEARNING_RATES),
+    ),
+    Study(
+        "value_embeddings_lr_code", "value embeddings' learning-rate grid on source code (CPython's standard library)",
+        report="tuned", arms=VALUE_EMBEDDING_ARMS, settings=dataclasses.replace(CONTEXT_512, corpus="python-stdlib"),
+        grid=Grid("lrs", "lr", LEARNING_RATES),
+    ),
+    Study(
+        "value_embeddings", "value embeddings (tables indexed by the token, added to V) alone and with "
+        "learnable_plus, against Llama, learnable_plus and a parameter-matched wider Llama: ten seeds, both corpora, "
+        "at lr 3e-3 (Llama's and learnable_plus's best in lr_sweep; give an arm `lr=` once value_embeddings_lr "
+        "finds another best for it)",
+        report="paired", arms=VALUE_EMBEDDING_ARMS, settings=CONTEXT_512, seeds=tuple(range(10)),
+        grid=Grid("corpora", "corpus", ("english", "python-stdlib")),
     ),
     Study(
         "baselines", "DenseFormer and NeuTRENO next to ResFormer; SVFormer next to GQA, CLA and SVFormer × CLA",
@@ -90,6 +124,20 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
                          description="(d) converted with the paper's init: λ_scale = layers, λ_self = 0.5"),
             ContinuedArm("learnable_plus-preserve-lambda-lr30", "learnable_plus", "preserve", lambda_lr_scale=30.0,
                          description="preserve init, λ learning rate ×30"),
+        ),
+    ),
+    Study(
+        "uptrain_long", "does a converted Llama gain when it gets value-embedding tables, and does λ alone gain with "
+        "a 5× longer continuation (2.5M tokens)? the uptrain study's pre-trained Llama, continued",
+        report="uptrain", settings=Settings(tokens=2_500_000, lr=1e-3, eval_every=25), continuation=Continuation(),
+        arms=(
+            ContinuedArm("llama", BASELINE, description="(a) the Llama, continued as it is"),
+            ContinuedArm("learnable-preserve", "learnable", "preserve",
+                         description="(b) converted, λ_first = 0, λ_self = 1"),
+            ContinuedArm("value_embeddings", "none", value_embeddings="alternating",
+                         description="(e) the Llama given value-embedding tables (layers 1, 3, 5, at zero), no λ"),
+            ContinuedArm("learnable-preserve+value_embeddings", "learnable", "preserve",
+                         value_embeddings="alternating", description="(f) (b) with value-embedding tables"),
         ),
     ),
 )}

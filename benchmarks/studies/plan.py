@@ -56,9 +56,11 @@ def data_identity(settings: Settings) -> dict:
 def model_identity(variant: str, size: ModelSize) -> dict:
     """The model's shape with every default made explicit, so `kv_heads=None` and `kv_heads=heads` are one run."""
     cla = size.cross_layer_attention if (size.cross_layer_attention or 1) > 1 else None
+    ve = {"value_embeddings": size.value_embeddings if isinstance(size.value_embeddings, str)
+          else list(size.value_embeddings)} if size.value_embeddings else {}  # only when set: older runs keep names
     return {"variant": variant, "hidden_size": size.hidden_size, "layers": size.layers, "heads": size.heads,
             "kv_heads": size.kv_heads or size.heads, "intermediate_size": size.intermediate,
-            "cross_layer_attention": cla}
+            "cross_layer_attention": cla, **ve}
 
 
 def budget_identity(budget: Budget) -> dict:
@@ -92,7 +94,8 @@ def uptrain_identities(settings: Settings, continuation: Continuation, arm: Cont
     identity = {"kind": "continue", "code": RUN_CODE, "device": device_kind(device), "start": digest(start),
                 "data": data_identity(settings), "split": split_identity(continuation, "continue"),
                 "arm": {"variant": arm.variant, "init": arm.init, "lambda_overrides": dict(arm.lambda_overrides),
-                        "lambda_lr_scale": arm.lambda_lr_scale},
+                        "lambda_lr_scale": arm.lambda_lr_scale,
+                        **({"value_embeddings": arm.value_embeddings} if arm.value_embeddings else {})},
                 "budget": budget_identity(settings.budget()), "seed": seed}
     return start, identity
 
@@ -136,8 +139,9 @@ def plan(study: Study, settings: Settings, seeds: list[int], arms: list[str], ce
                 if only is not None and cell not in only.get(name, ()):
                     continue
                 arm = study.arm(name)
-                runs.append(PlannedRun(cell, arm, seed, here,
-                                       scratch_identity(here, arm.model, arm.size(here), seed, device)))
+                own = dataclasses.replace(here, lr=arm.lr) if getattr(arm, "lr", None) else here  # its tuned lr
+                runs.append(PlannedRun(cell, arm, seed, own,
+                                       scratch_identity(own, arm.model, arm.size(own), seed, device)))
     return runs
 
 

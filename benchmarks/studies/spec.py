@@ -81,6 +81,9 @@ class Arm:
     kv_heads: int | Fraction | None = None  #: an int, a Fraction of the query heads, or None (multi-head)
     cross_layer_attention: int | None = None  #: layers per group sharing K and V (ResFormer configs only)
     description: str = ""
+    value_embeddings: str | tuple[int, ...] | None = None  #: layers with a value-embedding table (ResFormer configs)
+    intermediate_size: int | None = None  #: this arm's MLP width instead of the settings' (a parameter-matched Llama)
+    lr: float | None = None  #: this arm's learning rate instead of the settings' (its best in an lr study)
 
     @property
     def model(self) -> str:
@@ -93,8 +96,9 @@ class Arm:
         if kv is not None and settings.heads % kv:
             raise SystemExit(f"arm {self.name}: {settings.heads} query heads are not a multiple of {kv} kv heads; "
                              "give --heads a multiple of it")
-        return ModelSize(settings.hidden_size, settings.layers, settings.heads, kv, settings.intermediate_size,
-                         self.cross_layer_attention)
+        return ModelSize(settings.hidden_size, settings.layers, settings.heads, kv,
+                         self.intermediate_size or settings.intermediate_size, self.cross_layer_attention,
+                         self.value_embeddings)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,9 @@ class ContinuedArm:
     lambda_overrides: dict = field(default_factory=dict)  #: config fields changed after conversion (other inits)
     lambda_lr_scale: float = 1.0  #: λ learning rate = continuation lr × this
     description: str = ""
+    #: Value-embedding tables given at load (`value_embeddings`), zero at first; with variant "none" the Llama itself
+    #: loaded as a ResFormer without value residual, which computes the Llama's function exactly
+    value_embeddings: str | None = None
 
 
 @dataclass(frozen=True)

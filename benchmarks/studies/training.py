@@ -27,6 +27,7 @@ class ModelSize:
     kv_heads: int | None = None  # None: multi-head attention
     intermediate_size: int | None = None  # None: 8/3 of hidden, a multiple of 32
     cross_layer_attention: int | None = None  # ResFormer configs only: layers per group sharing K and V (CLA)
+    value_embeddings: str | tuple[int, ...] | None = None  # ResFormer configs only: layers with a value embedding
 
     @property
     def intermediate(self) -> int:
@@ -35,12 +36,17 @@ class ModelSize:
     def describe(self) -> str:
         kv = "" if self.kv_heads in (None, self.heads) else f" ({self.kv_heads} kv)"
         cla = f", CLA{self.cross_layer_attention}" if (self.cross_layer_attention or 1) > 1 else ""
-        return f"hidden {self.hidden_size}, {self.layers} layers, {self.heads} heads{kv}{cla}, MLP {self.intermediate}"
+        ve = f", value embeddings {self.value_embeddings}" if self.value_embeddings else ""
+        return (f"hidden {self.hidden_size}, {self.layers} layers, {self.heads} heads{kv}{cla}{ve}, "
+                f"MLP {self.intermediate}")
 
     def fields(self, data: Data, seq_len: int) -> dict:
         """Keyword arguments of `common.build_model` for this size and the data's tokenizer."""
         tokenizer = data.tokenizer
         cla = {"cross_layer_attention": self.cross_layer_attention} if self.cross_layer_attention else {}
+        if self.value_embeddings:
+            value = self.value_embeddings
+            cla["value_embeddings"] = value if isinstance(value, str) else list(value)
         return cla | dict(
             vocab_size=data.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate,
             num_hidden_layers=self.layers, num_attention_heads=self.heads,

@@ -65,7 +65,7 @@ def checkpoint_folder(work_dir: Path, result: dict) -> Path:
 
 def converted(arm: ContinuedArm, llama: Path) -> Path:
     """The arm's converted checkpoint, made once (beside the Llama) with the real converter."""
-    if arm.variant == BASELINE:
+    if arm.variant in (BASELINE, "none"):  # "none": the Llama's own weights, loaded as a ResFormer (tables only)
         return llama
     destination = llama.parent / f"{arm.variant}-{arm.init}"
     if not (destination / "config.json").is_file():
@@ -78,7 +78,9 @@ def converted(arm: ContinuedArm, llama: Path) -> Path:
 def load_arm(arm: ContinuedArm, checkpoint: Path, device):
     if arm.variant == BASELINE:
         return LlamaForCausalLM.from_pretrained(checkpoint).to(device)
-    return ResFormerForCausalLM.from_pretrained(checkpoint, **arm.lambda_overrides).to(device)
+    tables = {"value_embeddings": arm.value_embeddings} if arm.value_embeddings else {}  # loaded at zero
+    none = {"value_residual": "none"} if arm.variant == "none" else {}
+    return ResFormerForCausalLM.from_pretrained(checkpoint, **arm.lambda_overrides, **tables, **none).to(device)
 
 
 def lambda_state(model) -> dict | None:

@@ -37,7 +37,16 @@ class _ConvertParser(OneLineParser):
 
 # Flags that only a conversion reads (defaults None/False, so that giving one with --refresh-code is noticed).
 _CONVERSION_FLAGS = {"--variant": "variant", "--init": "init", "--dtype": "dtype", "--overwrite": "overwrite",
-                     "--allow-pickle": "allow_pickle", "--verify": "verify", "--no-progress": "no_progress"}
+                     "--allow-pickle": "allow_pickle", "--verify": "verify", "--no-progress": "no_progress",
+                     "--value-embeddings": "value_embeddings"}
+
+
+def _layers_or_layout(text: str) -> str | list[int]:
+    """--value-embeddings: a layout name (alternating, u_net) or comma-separated layer indices (0,2,5)."""
+    try:
+        return [int(part) for part in text.split(",")] if text[:1].isdigit() else text
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a layout name nor layer indices like 1,3,5") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--verify", action="store_true",
                         help="load both models and compare logits on a probe batch before committing DST; fails on "
                         "any NaN or infinity")
+    parser.add_argument("--value-embeddings", metavar="LAYOUT", type=_layers_or_layout, default=None,
+                        help="add value-embedding tables (zero: outputs unchanged) to these layers: alternating, "
+                        "u_net, or indices such as 1,3,5 (default: none)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_debug_flag(parser)
     return parser
@@ -90,6 +102,7 @@ def _convert(args: argparse.Namespace) -> int:
         allow_pickle=args.allow_pickle,
         verify=args.verify,
         progress=not args.no_progress,
+        value_embeddings=args.value_embeddings,
     )
     print(report.summary())
     return 0

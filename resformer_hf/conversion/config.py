@@ -131,7 +131,7 @@ def lambda_fields(variant: str, init: str) -> dict:
 
 
 def build_resformer_config(
-    source_config: dict, *, variant: str, init: str, dtype: torch.dtype | None = None
+    source_config: dict, *, variant: str, init: str, dtype: torch.dtype | None = None, value_embeddings=None
 ) -> ResFormerConfig:
     """The ResFormer config for a Llama-layout source config (a `config.json` dict), or a `ConversionError` that
     names the field or the feature the ResFormer model does not implement."""
@@ -171,6 +171,8 @@ def build_resformer_config(
     if dtype is not None:
         kwargs["dtype"] = str(dtype).removeprefix("torch.")
     kwargs.update(lambda_fields(variant, init))
+    if value_embeddings:  # value embeddings: tables at zero, so the outputs stay the source's
+        kwargs["value_embeddings"] = value_embeddings
     try:
         config = ResFormerConfig(**kwargs)
     except Exception as error:  # ValueError naming the field, or a strict-dataclass type error

@@ -67,6 +67,7 @@ def convert_llama_checkpoint(
     allow_pickle: bool = False,
     verify: bool = False,
     progress: bool = True,
+    value_embeddings: str | list[int] | None = None,
 ) -> ConversionReport:
     """Write a ResFormer checkpoint at `dst` made from the Llama-layout causal LM at `src` (directory or Hub id).
 
@@ -74,7 +75,9 @@ def convert_llama_checkpoint(
     `init="paper"` starts from the paper's values, so outputs change until the model is fine-tuned. `verify` loads
     both models and measures max |Δ logits| on a probe batch, and fails on any NaN or infinity; that measurement is
     also made whenever outputs are expected to change (`init="paper"`, `svformer`), memory allowing. `overwrite`
-    allows replacing a non-empty `dst` once the new output is complete. Raises `ConversionError` on bad input.
+    allows replacing a non-empty `dst` once the new output is complete. `value_embeddings` (a layout name or layer
+    indices, `ResFormerConfig.value_embeddings`) adds value-embedding tables and gates, written as zeros: the outputs
+    stay the source's, and the tables get gradient at the first step. Raises `ConversionError` on bad input.
     """
     started = time.perf_counter()
     check_options(variant, init)
@@ -90,7 +93,8 @@ def convert_llama_checkpoint(
     except WeightsFileError as error:
         raise ConversionError(str(error)) from error
     check_sizes_against_weights(source_config, inventory)  # before anything is built from those sizes
-    config = build_resformer_config(source_config, variant=variant, init=init, dtype=target_dtype)
+    config = build_resformer_config(source_config, variant=variant, init=init, dtype=target_dtype,
+                                    value_embeddings=value_embeddings)
     target = meta_model(config)
     plan = plan_conversion(shards, inventory, target, source_config["model_type"], target_dtype)
 

@@ -117,6 +117,9 @@ def plan_conversion(
         if name.startswith(_VALUE_RESIDUAL_PREFIX) or _is_value_gate(model, name):
             # λ offsets and value gates are zero: the config holds the initial values (the mix g0 for every token)
             target = ordered[-1]
+        elif ".self_attn.value_embedding" in name:  # value embeddings: zero tables and gates, in the weights' dtype
+            target = ordered[-1]
+            expected[name] = (expected[name][0], dtype or inventory["model.embed_tokens.weight"].dtype)
         elif model_type == "qwen2" and _O_PROJ_BIAS.match(name):
             weight = name.removesuffix("bias") + "weight"
             target = next(plan for plan in ordered if weight in plan.tensors)

@@ -97,6 +97,19 @@ def _kv_sharing(config: ResFormerConfig) -> str | None:
             f"{', '.join(map(str, consumers))} have no `k_proj`/`v_proj` and no cache entries")
 
 
+def _value_embeddings(config: ResFormerConfig) -> str | None:
+    """The card's value-embedding row (issue 56): the layers with a table and the parameters they add; None without."""
+    layers = config.value_embedding_layers
+    if not layers:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    table = config.vocab_size * config.num_key_value_heads * head_dim
+    gate = config.num_key_value_heads * min(12, config.hidden_size)
+    return (f"layers {', '.join(map(str, layers))} add `g·E[token]` to their values (`{config.value_embeddings}`): "
+            f"{len(layers) * (table + gate):,} parameters ({len(layers)} tables of {config.vocab_size} × "
+            f"{config.num_key_value_heads * head_dim} and their gates)")
+
+
 def _format_fact(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if math.isfinite(value) else str(value)
@@ -195,6 +208,7 @@ def build_model_card(
         vocab_size=config.vocab_size,
         receivers=", ".join(str(layer) for layer in sorted(receivers)) or "–",
         kv_sharing=_kv_sharing(config),
+        value_embeddings=_value_embeddings(config),
         license_text=license_text,
         model_id=model_id or "path/to/this/model",
         lambda_note=_lambda_note(config, lambdas is not None),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ._compat import OLDEST_SUPPORTED  # noqa: F401  (first: refuses an unsupported transformers in one line)
 from .cache_resformer import KeyValueSource, key_value_sources_of
+from .value_embeddings import value_embedding_layers
 
 # isort: split
 import math
@@ -271,6 +272,9 @@ class ResFormerConfig(LlamaConfig):
             Cross-layer attention (CLA, Brandon et al. 2024): each group of this many consecutive layers attends over
             the keys and values of its first layer, which alone has `k_proj`/`v_proj` and cache entries (2: CLA2,
             half a Llama's KV cache). None or 1: off. Combines with `"none"`, `"svformer"` and `"denseformer"`.
+        value_embeddings (`list[int]` or `str`, *optional*):
+            Layers with a table whose `g·VE[token]` joins their values (`value_embeddings.py`): layer indices,
+            `"alternating"` (nanochat's) or `"u_net"` (modded-nanogpt's); None (default): no tables.
 
     ```python
     >>> import resformer_hf
@@ -299,6 +303,8 @@ class ResFormerConfig(LlamaConfig):
     neutreno_lambda: float | int | None = None
     denseformer_dilation: int | None = None
     cross_layer_attention: int | None = None
+    value_embeddings: list[int] | str | None = None  # value embeddings: checked and resolved in value_embeddings.py
+    value_embedding_layers = property(value_embedding_layers)  # sorted layers with a table; a ValueError if invalid
 
     def __setattr__(self, name: str, value) -> None:
         # Checked on every assignment, not only in __init__: `config.value_residual = "bogus"` fails here, by name.
@@ -353,6 +359,7 @@ class ResFormerConfig(LlamaConfig):
                     "value_residual_layers is empty; name at least one layer, or use value_residual='none' for a "
                     "plain Llama."
                 )
+        self.value_embedding_layers  # noqa: B018  (value embeddings: raises a ValueError naming the field)
 
     # ---- per-layer facts (derived, never serialised) ----------------------------------------------------------------
 
@@ -438,13 +445,5 @@ class ResFormerConfig(LlamaConfig):
         return float(configured) if configured is not None else float(self.num_hidden_layers)
 
 
-__all__ = [
-    "DEFAULT_CONVERSION_VARIANT",
-    "DEFAULT_VARIANT",
-    "VALUE_RESIDUAL_VARIANTS",
-    "VARIANTS",
-    "ResFormerConfig",
-    "ValueResidualVariant",
-    "convertible_variants",
-    "output_preserving_variants",
-]
+__all__ = ["DEFAULT_CONVERSION_VARIANT", "DEFAULT_VARIANT", "VALUE_RESIDUAL_VARIANTS", "VARIANTS", "ResFormerConfig",
+           "ValueResidualVariant", "convertible_variants", "output_preserving_variants"]

@@ -29,6 +29,7 @@ from transformers.utils import logging
 
 from ._compat import ALL_PARALLEL_STYLES
 from .configuration_resformer import GATE, VARIANTS, ResFormerConfig
+from .value_embeddings import VALUE_EMBEDDING_TP_PLAN
 
 # ---- loading a checkpoint -------------------------------------------------------------------------------------------
 
@@ -74,6 +75,16 @@ def check_value_gates(config: ResFormerConfig, unexpected_keys) -> None:
             f"gates (self_attn.value_gate) for layers {extra}, so it was trained as {' or '.join(gated)} (with those "
             "receiving layers). Load it with the value_residual and value_residual_layers its config.json names."
         )
+
+
+def check_value_embedding_tables(config: ResFormerConfig, unexpected_keys) -> None:
+    """Refuse a checkpoint with value-embedding tables in layers that have none, instead of dropping them (missing
+    tables are fine: they load as zeros, the documented start)."""
+    extra = [n for n in _layers_with(unexpected_keys, "value_embedding") if n not in config.value_embedding_layers]
+    if extra:
+        raise ValueError(f"value_embeddings mismatch: the checkpoint has value-embedding tables for layers {extra}, "
+                         f"which value_embeddings={config.value_embeddings!r} does not give one; load it with the "
+                         "value_embeddings its config.json names.")
 
 
 def check_lambdas_are_finite(value_residual: nn.Module) -> None:
@@ -124,6 +135,7 @@ class CheckpointChecks:
         check_key_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
         check_value_projections(self.config, loading_info.missing_keys, loading_info.unexpected_keys)
         check_value_gates(self.config, loading_info.unexpected_keys)
+        check_value_embedding_tables(self.config, loading_info.unexpected_keys)  # value embeddings
         check_lambdas_are_finite(self.base_model.value_residual)
 
 
@@ -270,6 +282,8 @@ class ParallelismHooks:
         super().init_parallel_plans()
         if self.base_model is self and self.config.layers_with_value_gate:
             self._tp_plan.update(VALUE_GATE_TP_PLAN)
+        if self.base_model is self and self.config.value_embedding_layers:  # value embeddings: split by kv head
+            self._tp_plan.update(VALUE_EMBEDDING_TP_PLAN)
 
     @classmethod
     def prepare_distribute_model(cls, distributed_config, device_map=None):
@@ -314,10 +328,10 @@ def gathered_parameters(module: nn.Module) -> Iterator[None]:
 # ---- PEFT ----------------------------------------------------------------------------------------------------------
 
 logger = logging.get_logger(__name__)
-#: The modules holding every λ (and DenseFormer's depth weights, `gated`'s value gates); pass as PEFT
-#: `modules_to_save` to train them alongside an adapter. A model without one of them simply has nothing to save under
-#: that name.
-LAMBDA_MODULES = ["value_residual", "depth_weighted_average", "value_gate"]
+#: The modules holding every λ (and DenseFormer's depth weights, `gated`'s value gates, value embeddings' tables and
+#: gates); pass as PEFT `modules_to_save` to train them alongside an adapter. A model without one of them simply has
+#: nothing to save under that name.
+LAMBDA_MODULES = ["value_residual", "depth_weighted_average", "value_gate", "value_embedding", "value_embedding_gate"]
 
 _MODEL_TYPE = "resformer"
 _TEMPLATE_MODEL_TYPE = "llama"

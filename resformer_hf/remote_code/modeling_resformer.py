@@ -68,6 +68,7 @@ from .loading import (
     modules_kept_in_float32,
     register_peft_target_modules,
 )
+from .value_embeddings import VALUE_EMBEDDING_MODULES, add_value_embedding, attach_value_embedding, need_token_ids
 from .value_residual import (
     ResidualValues,
     ValueGate,
@@ -102,11 +103,13 @@ class ResFormerAttention(LlamaAttention):
             self.value_gate = ValueGate(config.hidden_size, config.num_key_value_heads)
             self.gate_shift = config.value_residual_lambda_first_resolved - 0.5  # g0 − σ(0)
         share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
+        attach_value_embedding(self, config, layer_idx)  # value embeddings: this layer's table and gate, if it has one
 
     def forward(
         self, hidden_states: torch.Tensor, residual_values: ResidualValues | None, lambda_first, lambda_self,
         position_embeddings: tuple | None = None, attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None, shared_keys_values: tuple = (None, None), **kwargs: Unpack[TransformersKwargs],
+        cache: Cache | None = None, shared_keys_values: tuple = (None, None), value_embedding_ids=None,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None, ResidualValues | None, tuple]:
         """Returns (attention output, attention weights, what later layers read of the values, the (K, V) the next
         layer attends over with cross-layer attention)."""
@@ -117,6 +120,7 @@ class ResFormerAttention(LlamaAttention):
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         # main diff with Llama: the values this layer attends over, and what it hands on (`value_residual.py`)
         value_states, residual_values = self.values(hidden_states, residual_values, lambda_first, lambda_self)
+        value_states = add_value_embedding(self, value_states, hidden_states, value_embedding_ids)  # value embeddings
         own_values = value_states  # NeuTRENO's V_n (the cache update below returns every cached token's)
 
         cos, sin = position_embeddings
@@ -174,7 +178,7 @@ class ResFormerSharedKeysValuesAttention(ResFormerAttention):
 
     def forward(self, hidden_states, residual_values, lambda_first, lambda_self, position_embeddings=None,
                 attention_mask=None, cache=None, shared_keys_values=(None, None),
-                **kwargs: Unpack[TransformersKwargs]):
+                value_embedding_ids=None, **kwargs: Unpack[TransformersKwargs]):  # value embeddings: never here
         input_shape = hidden_states.shape[:-1]
         query_states = shared_keys_values_queries(self, hidden_states, shared_keys_values, position_embeddings)
         # Indexed, not unpacked: under torch.fx tracing (vLLM) the pair is one traced value.
@@ -214,14 +218,15 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         shared_keys: torch.Tensor | None = None, shared_values: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
         cache: Cache | None = None, use_cache: bool | None = False,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Unpack[TransformersKwargs],
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, value_embedding_ids=None,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ResidualValues | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _, residual_values, (shared_keys, shared_values) = self.self_attn(
             hidden_states, residual_values, lambda_first, lambda_self, attention_mask=attention_mask,
             position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
-            shared_keys_values=(shared_keys, shared_values), **kwargs,
+            shared_keys_values=(shared_keys, shared_values), value_embedding_ids=value_embedding_ids, **kwargs,
         )
         hidden_states = residual + hidden_states
 
@@ -269,7 +274,7 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedMod
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, (ValueResidual, DepthWeightedAverage, ValueGate)):  # offsets and gates start at zero
+        if isinstance(module, (ValueResidual, DepthWeightedAverage, ValueGate, *VALUE_EMBEDDING_MODULES)):  # at zero
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
         if isinstance(module, (ValueResidual, DepthWeightedAverage)):  # buffers a meta-device build left empty
@@ -334,6 +339,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        need_token_ids(self.config, input_ids)  # value embeddings: a ValueError for inputs_embeds alone
         if is_pipeline_stage(self):
             raise ValueError(PIPELINE_PARALLEL_UNSUPPORTED)  # split by transformers' pipeline stages
         refuse_unread_cache(kwargs, f"{type(self).__name__}.forward")
@@ -371,7 +377,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
             hidden_states, residual_values, shared_keys, shared_values = decoder_layer(
                 hidden_states, residual_values, *lambdas[decoder_layer.layer_idx], shared_keys, shared_values,
                 attention_mask=causal_mask, position_embeddings=position_embeddings, position_ids=position_ids,
-                cache=cache, use_cache=use_cache, **kwargs,
+                cache=cache, use_cache=use_cache, value_embedding_ids=input_ids, **kwargs,  # value embeddings
             )
             if stream is not None:
                 hidden_states = stream.after_block(hidden_states)
@@ -438,13 +444,6 @@ def register_model_type_names() -> None:
         getattr(modeling_auto, table_name).setdefault(ResFormerConfig.model_type, model_class.__name__)
 
 
-__all__ = [
-    "MODEL_TYPE_NAME_TABLES",
-    "register_model_type_names",
-    "ResFormerPreTrainedModel",
-    "ResFormerModel",
-    "ResFormerForCausalLM",
-    "ResFormerForSequenceClassification",
-    "ResFormerForQuestionAnswering",
-    "ResFormerForTokenClassification",
-]
+__all__ = ["MODEL_TYPE_NAME_TABLES", "register_model_type_names", "ResFormerPreTrainedModel", "ResFormerModel",
+           "ResFormerForCausalLM", "ResFormerForSequenceClassification", "ResFormerForQuestionAnswering",
+           "ResFormerForTokenClassification"]

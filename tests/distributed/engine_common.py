@@ -21,8 +21,10 @@ import torch.distributed as dist
 STEPS = 3
 LEARNING_RATE = 1e-2
 #: Models every engine trains: the plain Llama control and the ResFormer variants the issue names, and `gated` (its
-#: mix comes from a gate in each layer, sharded with the layer: by kv head under tensor parallelism).
-MODELS = ("llama", "learnable_plus", "svformer", "dense", "gated")
+#: mix comes from a gate in each layer, sharded with the layer: by kv head under tensor parallelism), and
+#: `value_embeddings` (learnable_plus with a table and gate in layers 1 and 3: sharded with their layer, and by kv
+#: head under tensor parallelism).
+MODELS = ("llama", "learnable_plus", "svformer", "dense", "gated", "value_embeddings")
 
 
 def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -30,7 +32,8 @@ def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     fixed variant)."""
     module = getattr(model.base_model, "value_residual", None)
     found = dict(module.named_parameters()) if module is not None else {}
-    return {**found, **{name: p for name, p in model.named_parameters() if ".value_gate." in name}}
+    return {**found, **{name: p for name, p in model.named_parameters()
+                        if ".value_gate." in name or ".value_embedding" in name}}
 
 
 def lambda_table(model: torch.nn.Module) -> list | None:

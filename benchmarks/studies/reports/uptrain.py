@@ -19,8 +19,13 @@ def render(results: Results) -> Path | None:
     store, arms = results.only, results.arms
     seeds = [s for s in results.seeds if all(f"{a}/seed{s}" in store for a in arms)]
     if PRETRAIN not in store or not seeds:
-        print("no continuation seed has finished every arm yet; nothing to report")
-        return None
+        print("no continuation seed has finished every arm yet; the report says what is missing")
+        return results.write([
+            f"# {results.study.name}: continuations of a pre-trained Llama, not trained yet", results.regenerate, "",
+            f"No continuation seed has finished every arm ({', '.join(f'`{arm}`' for arm in arms)}) yet, of the "
+            f"seeds {', '.join(map(str, results.seeds))}; run the command above to train what is missing (the "
+            "pre-trained Llama is the uptrain study's, shared through the run store).",
+        ])
     meta = store.meta
     base = {s: store[f"llama/seed{s}"] for s in seeds}
     final_tokens = base[seeds[0]]["curve"][-1][0]
