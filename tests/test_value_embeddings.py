@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.remote_code._compat import with_cache
 
-from helpers import TINY, lambdas_as_tensors, llama_pair, model_with_random_lambdas, tiny_config
+from helpers import TINY, llama_pair, model_with_random_lambdas, tiny_config
 from reference import reference_logits
 
 #: (variant, value_embeddings): the layouts by name, a list with layer 0, and each variant family that combines
@@ -43,13 +43,13 @@ def state_of(model) -> dict[str, torch.Tensor]:
 def test_every_path_matches_the_reference(variant, layout):
     model = model_with_tables(variant, layout)
     input_ids = torch.randint(3, 128, (2, 11))
-    expected = reference_logits(model.config, state_of(model), input_ids)
     with_gradient = model(input_ids).logits  # the training path: fused mix, autograd
     with torch.no_grad():
-        numbers = model(input_ids).logits  # λ as numbers folded into GEMMs (CPU)
-        with lambdas_as_tensors():
-            tensors = model(input_ids).logits  # λ as tensors (GPU, sharded, compiled)
-    for name, logits in (("gradient", with_gradient), ("numbers", numbers), ("tensors", tensors)):
+        prefill = model(input_ids).logits  # without gradient, each receiver scaling V_0 itself
+        decode = model(input_ids[:, :4]).logits  # a few tokens: layer 0 scales V_0 for every receiver at once
+    for name, logits, ids in (("gradient", with_gradient, input_ids), ("prefill", prefill, input_ids),
+                              ("decode", decode, input_ids[:, :4])):
+        expected = reference_logits(model.config, state_of(model), ids)
         assert (logits - expected).abs().max().item() <= 2e-5, name
 
 
