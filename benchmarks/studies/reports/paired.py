@@ -74,6 +74,12 @@ def gate_rows(cell: CellRuns, arm: str, seeds: list[int]) -> list[list[str]]:
     return rows
 
 
+def described_arms(study) -> list[str]:
+    """The arms' descriptions, when the study gives them (with the parameters each adds); none otherwise."""
+    described = [f"`{arm.name}`: {arm.description}" for arm in study.arms if getattr(arm, "description", "")]
+    return ["", "Arms: " + "; ".join(described) + "."] if described else []
+
+
 def render(results: Results) -> Path | None:
     study = results.study
     summaries = {cell: summarize(runs, results.arms, results.seeds) for cell, runs in results.cells.items()}
@@ -106,6 +112,7 @@ def render(results: Results) -> Path | None:
         "arm's sweep found best (`lr_sweep.md`). Within a seed every arm starts from the same initial draw and sees "
         "the same batches. Data: " + "; ".join(f"`{cell}`: {results.cells[cell].meta.get('data', '?')}"
                                                   for cell in summaries) + ".",
+        *described_arms(study),
         "",
         markdown_table(["corpus", "model", "seeds", "final val loss (mean ± std)",
                         "Δ vs Llama, paired (mean ± std [95% t-interval])", "seed noise check",

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import BASELINE, markdown_table, pyplot
+from benchmarks.studies.reports.paired import described_arms
 from benchmarks.studies.reports.seeds import save
 from benchmarks.studies.results import Results
 from benchmarks.studies.seed_statistics import PairedDifference, Spread, paired_difference, spread, tokens_to_reach
@@ -162,6 +163,7 @@ def render(results: Results) -> Path | None:
         f"10% of the peak learning rate, weight decay {config['weight_decay']:g}. {origin} Data: "
         f"{meta.get('data', '?')}. Within a seed every arm starts from the same initial draw and sees the same "
         "batches, at every learning rate.",
+        *described_arms(results.study),
         "",
         "Final validation loss (mean ± std over seeds; **bold**: the arm's best learning rate, the lowest mean among "
         "the learning rates where every seed finished):",
