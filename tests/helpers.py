@@ -80,6 +80,22 @@ def randomised_model(variant: str, **overrides) -> ResFormerForCausalLM:
     return model_with_random_lambdas(tiny_config(variant, **{**NON_DEFAULT[variant], **overrides}))
 
 
+def assert_attention_backends_agree(model, tolerance: float = 1e-5) -> None:
+    """Eager, sdpa and flex attention give `model` the same logits on a left-padded batch (padding exercises the
+    backends' mask handling), compared where the mask keeps tokens."""
+    input_ids = torch.randint(3, 128, (2, 10))
+    mask = torch.ones_like(input_ids)
+    mask[1, :3] = 0
+    logits = {}
+    for backend in ("eager", "sdpa", "flex_attention"):
+        model.set_attn_implementation(backend)
+        with torch.no_grad():
+            logits[backend] = model(input_ids, attention_mask=mask).logits
+    keep = mask.bool()
+    for backend in ("sdpa", "flex_attention"):
+        assert (logits[backend][keep] - logits["eager"][keep]).abs().max().item() <= tolerance, backend
+
+
 def decode_logits(forward, model, prompt: torch.Tensor, steps: int, cache) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Greedy decoding one token at a time through `forward` with `cache`: each step's last logits, all tokens."""
     tokens, step_logits = prompt, []
@@ -211,6 +227,7 @@ def step_losses(trainer: Trainer) -> list[float]:
 
 
 __all__ = [
+    "assert_attention_backends_agree",
     "BLOCK_MODULES",
     "CLIENT_FOLDERS",
     "BLOCK_SIZE",

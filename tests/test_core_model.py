@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
 from resformer_hf.remote_code._compat import with_cache
 
-from helpers import TINY, model_with_random_lambdas, randomised_model, tiny_config
+from helpers import TINY, assert_attention_backends_agree, model_with_random_lambdas, randomised_model, tiny_config
 from reference import reference_logits
 
 
@@ -49,17 +49,7 @@ def test_none_loaded_from_a_llama_checkpoint_gives_llamas_logits(tmp_path):
 def test_attention_backends_agree(variant):
     torch.manual_seed(1)
     model = randomised_model(variant)
-    input_ids = torch.randint(3, 128, (2, 10))
-    mask = torch.ones_like(input_ids)
-    mask[1, :3] = 0  # left padding exercises the backends' mask handling
-    logits = {}
-    for backend in ("eager", "sdpa", "flex_attention"):
-        model.set_attn_implementation(backend)
-        with torch.no_grad():
-            logits[backend] = model(input_ids, attention_mask=mask).logits
-    keep = mask.bool()
-    for backend in ("sdpa", "flex_attention"):
-        assert (logits[backend][keep] - logits["eager"][keep]).abs().max().item() <= 1e-5, backend
+    assert_attention_backends_agree(model)
 
 
 def enable_checkpointing(model, use_reentrant: bool) -> None:

@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.remote_code._compat import with_cache
 
-from helpers import TINY, llama_pair, model_with_random_lambdas, tiny_config
+from helpers import TINY, assert_attention_backends_agree, llama_pair, model_with_random_lambdas, tiny_config
 from reference import reference_logits
 
 #: (variant, value_embeddings): the layouts by name, a list with layer 0, and each variant family that combines
@@ -78,17 +78,7 @@ def test_tables_change_the_output_and_only_their_layers_hold_them():
 @pytest.mark.parametrize(("variant", "layout"), CASES[:3], ids=[f"{v}-{layout}" for v, layout in CASES[:3]])
 def test_attention_backends_agree(variant, layout):
     model = model_with_tables(variant, layout, seed=1)
-    input_ids = torch.randint(3, 128, (2, 10))
-    mask = torch.ones_like(input_ids)
-    mask[1, :3] = 0
-    logits = {}
-    for backend in ("eager", "sdpa", "flex_attention"):
-        model.set_attn_implementation(backend)
-        with torch.no_grad():
-            logits[backend] = model(input_ids, attention_mask=mask).logits
-    keep = mask.bool()
-    for backend in ("sdpa", "flex_attention"):
-        assert (logits[backend][keep] - logits["eager"][keep]).abs().max().item() <= 1e-5, backend
+    assert_attention_backends_agree(model)
 
 
 GREEDY = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=None)
