@@ -96,6 +96,41 @@ def assert_attention_backends_agree(model, tolerance: float = 1e-5) -> None:
         assert (logits[backend][keep] - logits["eager"][keep]).abs().max().item() <= tolerance, backend
 
 
+def enable_checkpointing(model, use_reentrant: bool) -> None:
+    """transformers 5.23 renamed `gradient_checkpointing_enable` (still there, deprecated) to
+    `activation_checkpointing_enable`; use the release's own name."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
+def disable_checkpointing(model) -> None:
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+def assert_checkpointing_keeps_the_gradients(model, use_reentrant: bool) -> dict[str, torch.Tensor]:
+    """A training step's gradients with gradient checkpointing equal those without (every layer checkpointed); returns
+    the plain ones."""
+    model.train()
+    input_ids = torch.randint(3, 128, (2, 9))
+
+    def gradients():
+        model.zero_grad()
+        model(input_ids, labels=input_ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    enable_checkpointing(model, use_reentrant)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    checkpointed = gradients()
+    disable_checkpointing(model)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        assert torch.allclose(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5), name
+    return plain
+
+
 def decode_logits(forward, model, prompt: torch.Tensor, steps: int, cache) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Greedy decoding one token at a time through `forward` with `cache`: each step's last logits, all tokens."""
     tokens, step_logits = prompt, []
@@ -227,6 +262,9 @@ def step_losses(trainer: Trainer) -> list[float]:
 
 
 __all__ = [
+    "assert_checkpointing_keeps_the_gradients",
+    "disable_checkpointing",
+    "enable_checkpointing",
     "assert_attention_backends_agree",
     "BLOCK_MODULES",
     "CLIENT_FOLDERS",

@@ -11,7 +11,16 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 from resformer_hf import ResFormerForCausalLM, ResFormerModel
 from resformer_hf.remote_code._compat import with_cache
 
-from helpers import TINY, assert_attention_backends_agree, model_with_random_lambdas, randomised_model, tiny_config
+from helpers import (
+    TINY,
+    assert_attention_backends_agree,
+    assert_checkpointing_keeps_the_gradients,
+    disable_checkpointing,
+    enable_checkpointing,
+    model_with_random_lambdas,
+    randomised_model,
+    tiny_config,
+)
 from reference import reference_logits
 
 
@@ -52,39 +61,11 @@ def test_attention_backends_agree(variant):
     assert_attention_backends_agree(model)
 
 
-def enable_checkpointing(model, use_reentrant: bool) -> None:
-    """transformers 5.23 renamed `gradient_checkpointing_enable` (still there, deprecated) to
-    `activation_checkpointing_enable`; use the release's own name."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
-
-
-def disable_checkpointing(model) -> None:
-    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
-
-
 @pytest.mark.parametrize("variant", ["learnable", "learnable_plus", "dense", "neutreno", "svformer", "gated"])
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_gradient_checkpointing_gives_the_same_gradients(variant, use_reentrant):
-    model = randomised_model(variant).train()
-    input_ids = torch.randint(3, 128, (2, 9))
-
-    def gradients():
-        model.zero_grad()
-        model(input_ids, labels=input_ids).loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    plain = gradients()
-    enable_checkpointing(model, use_reentrant)
-    assert all(layer.gradient_checkpointing for layer in model.model.layers)
-    checkpointed = gradients()
-    disable_checkpointing(model)
-    assert plain.keys() == checkpointed.keys()
+    plain = assert_checkpointing_keeps_the_gradients(randomised_model(variant), use_reentrant)
     assert any("value_residual" in n for n in plain) == (variant in ("learnable", "learnable_plus", "dense"))
-    for name in plain:
-        assert torch.allclose(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5), name
 
 
 @pytest.mark.parametrize("variant", ["learnable_plus", "svformer"])
