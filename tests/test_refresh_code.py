@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from resformer_hf import remote_code
 from resformer_hf.cli.convert import main as convert_main
 from resformer_hf.hub import file_transaction, finish_hub_folder, refresh_code
 from resformer_hf.registration import full_auto_map
@@ -151,7 +152,12 @@ def _is_rename_into_place(source: Path) -> bool:
     return source.name.endswith(".tmp") and not source.name.endswith(".orig.tmp")
 
 
-@pytest.mark.parametrize("k", range(13))
+#: What a refresh renames: every remote-code module (`resformer_hf/remote_code/` less its `__init__.py`), then
+#: config.json.
+RENAMES = len([path for path in Path(remote_code.__file__).parent.glob("*.py") if path.name != "__init__.py"]) + 1
+
+
+@pytest.mark.parametrize("k", range(RENAMES))
 def test_a_rename_that_fails_after_k_renames_puts_every_original_back(folder, capsys, monkeypatch, k, refreshed):
     """The (k+1)-th rename into place fails: the k renamed targets get their originals back (the new file is
     removed), the error names the target, the folder is byte-identical; the next run completes."""
@@ -179,7 +185,7 @@ def _chattr(path: Path, flag: str) -> bool:
     return shutil.which("chattr") is not None and subprocess.run(["chattr", flag, str(path)]).returncode == 0
 
 
-@pytest.mark.parametrize("position", range(13))
+@pytest.mark.parametrize("position", range(RENAMES))
 def test_an_immutable_target_at_any_position_leaves_the_folder_as_it_was(folder, capsys, position, refreshed):
     """The issue's case, not simulated: a target that cannot be replaced (`chattr +i`), first, last or between."""
     targets, expected = refreshed
@@ -198,7 +204,7 @@ def test_an_immutable_target_at_any_position_leaves_the_folder_as_it_was(folder,
 
 #: Where the forked run is killed: while staging the 3rd file, keeping the 2nd original, before the (k+1)-th rename
 #: into place (k = 0..12), and while removing the kept originals after the last rename.
-KILL_POINTS = [("stage", 2), ("keep", 1), *(("rename", k) for k in range(13)), ("cleanup", 0)]
+KILL_POINTS = [("stage", 2), ("keep", 1), *(("rename", k) for k in range(RENAMES)), ("cleanup", 0)]
 
 
 def _killed_run(folder: Path, where: str, k: int) -> int:
@@ -325,4 +331,4 @@ def test_an_older_plugins_module_the_new_code_does_not_import_is_kept_and_named(
     assert "delete them if nothing else needs them" in str(warned[0].message)
     assert "refreshed" in capsys.readouterr().out
     assert old.read_bytes() == before
-    assert (folder / "value_gate.py").is_file() and (folder / "neutreno.py").is_file()
+    assert (folder / "value_residual.py").is_file() and (folder / "cache_resformer.py").is_file()
