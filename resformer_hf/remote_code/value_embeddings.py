@@ -132,9 +132,12 @@ def add_value_embedding(attention: nn.Module, value_states: torch.Tensor, hidden
     return torch.addcmul(value_states, gate, rows.to(value_states.dtype), value=2.0)
 
 
-if ALL_PARALLEL_STYLES is not None and torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor
+try:  # transformers 5.19 has no EmbeddingParallel: there tensor parallel cannot split a model with tables
     from transformers.distributed.tensor_parallel import EmbeddingParallel
+except ImportError:
+    EmbeddingParallel = None
+if ALL_PARALLEL_STYLES is not None and torch.distributed.is_available() and EmbeddingParallel is not None:
+    from torch.distributed.tensor import DTensor
 
     class ValueEmbeddingByKvHead(EmbeddingParallel):
         """Tensor parallel: a table split along its columns, which are kv heads as v_proj's outputs are (colwise),
