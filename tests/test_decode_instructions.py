@@ -37,8 +37,9 @@ CONTEXT = 64
 #: that they cannot grow: with one path a formula, decoding runs the fused functions' forward, whose layouts serve
 #: training, where decode-only twins per variant ran before at 1.014-1.023 (`dense`), 1.046-1.050 (gated) and
 #: 1.016-1.023 (DenseFormer). The fixed mixes measured 1.018 (identity), `learnable` 1.025, NeuTRENO 1.059,
-#: SVFormer 0.935.
-MEASURED_ABOVE_GOAL = {"neutreno": 1.0592, "dense": 1.1092, "gated": 1.1120, "denseformer": 1.1341}
+#: SVFormer 0.935; after value embeddings' call joined every layer (issue 56), `learnable_plus` 1.0357.
+MEASURED_ABOVE_GOAL = {"learnable_plus": 1.0357, "learnable": 1.0300, "neutreno": 1.0592, "dense": 1.1092,
+                       "gated": 1.1120, "denseformer": 1.1341}
 #: Room for what moves between runs and library builds: two runs of this gate moved every ratio by up to 0.004
 #: together (Llama's count, the denominator, moved), and loading the prepared models instead of building them in the
 #: counting process moved them by up to 0.003; an op per layer is ~0.016.
