@@ -16,7 +16,13 @@ from resformer_hf import ResFormerConfig, ResFormerForCausalLM, cache_nbytes
 from resformer_hf.remote_code._compat import cache_of, with_cache
 from resformer_hf.remote_code.cache_resformer import SharedKeysValuesDynamicLayer, share_cache_storage
 
-from helpers import TINY, llama_config_like, model_with_random_lambdas, tiny_config
+from helpers import (
+    TINY,
+    assert_checkpointing_keeps_the_gradients,
+    llama_config_like,
+    model_with_random_lambdas,
+    tiny_config,
+)
 from reference import reference_logits
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -88,20 +94,8 @@ def test_a_fresh_denseformer_is_llama_exactly(dilation):
 
 @pytest.mark.parametrize("case", CLA)
 def test_reentrant_gradient_checkpointing_keeps_the_shared_key_gradients(case):
-    network = model(CLA[case]).train()
-    input_ids = torch.randint(3, 128, (2, 9))
-
-    def gradients():
-        network.zero_grad()
-        network(input_ids, labels=input_ids).loss.backward()
-        return {name: p.grad.clone() for name, p in network.named_parameters() if p.grad is not None}
-
-    plain = gradients()
-    network.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    checkpointed = gradients()
-    assert plain.keys() == checkpointed.keys() and "model.layers.0.self_attn.k_proj.weight" in plain
-    for name in plain:
-        torch.testing.assert_close(plain[name], checkpointed[name], atol=1e-6, rtol=1e-5, msg=name)
+    plain = assert_checkpointing_keeps_the_gradients(model(CLA[case]), use_reentrant=True)
+    assert "model.layers.0.self_attn.k_proj.weight" in plain
 
 
 #: generate() cache paths, each compared with the same decoding strategy run without a cache.
