@@ -32,6 +32,7 @@ from engine_common import (
     check_every_model,
     lambda_parameters,
     lambda_table,
+    lambdas_seen_in_forward,
     train,
 )
 
@@ -137,14 +138,12 @@ def mixing_weights_in_bf16(path: Path, batch: torch.Tensor, stage: int) -> dict:
     config = deepspeed_config(stage, bf16=True)
     model, _settings = load(path, config)
     engine = ZeRO(model, config)
-    seen = {}
     module = engine.model.model.value_residual
-    hook = module.register_forward_hook(lambda module, args, output: seen.update(weights=output))
-    engine.engine(input_ids=engine.local_batch(batch))  # with gradient, as a training step runs
-    hook.remove()
+    table, per_layer = lambdas_seen_in_forward(module, lambda: engine.engine(input_ids=engine.local_batch(batch)))
     return {
-        "dtype": str(seen["weights"].dtype),
-        "weights": seen["weights"].float().tolist(),
+        "dtype": None if table is None else str(table.dtype),
+        "weights": None if table is None else table.float().tolist(),
+        "per_layer": per_layer,
         "parameter_dtypes": sorted({str(p.dtype) for p in lambda_parameters(engine.model).values()}),
         "buffer_dtypes": sorted({str(b.dtype) for b in module.buffers()}),
         "table_before": lambda_table(engine.model),

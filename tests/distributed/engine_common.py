@@ -36,6 +36,25 @@ def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
                         if ".value_gate." in name or ".value_embedding" in name}}
 
 
+def lambdas_seen_in_forward(value_residual: torch.nn.Module, forward: Callable[[], object]
+                            ) -> tuple[torch.Tensor | None, list]:
+    """What one forward pass handed the layers: the λ table where λ are learnable (None where they are fixed: no
+    table is built), and each layer's (λ_first, λ_self) from `per_layer`, Python floats and None as they are and
+    anything else by its type name, so a record shows whether fixed λ reached the layers exact."""
+    seen = {}
+    hook = value_residual.register_forward_hook(lambda module, args, output: seen.update(table=output))
+    per_layer = value_residual.per_layer
+    value_residual.per_layer = lambda *args: seen.setdefault("per_layer", per_layer(*args))
+    try:
+        forward()
+    finally:
+        hook.remove()
+        del value_residual.per_layer
+    pairs = [[x if x is None or isinstance(x, float) else type(x).__name__ for x in pair]
+             for pair in seen["per_layer"]]
+    return seen.get("table"), pairs
+
+
 def lambda_table(model: torch.nn.Module) -> list | None:
     """`value_residual_lambdas()` as a list, None for a plain Llama."""
     return model.value_residual_lambdas().tolist() if hasattr(model, "value_residual_lambdas") else None

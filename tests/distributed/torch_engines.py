@@ -24,7 +24,7 @@ from transformers.distributed import DistributedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
-from engine_common import DataParallel, Engine, check_every_model, train
+from engine_common import DataParallel, Engine, check_every_model, lambdas_seen_in_forward, train
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,13 +89,13 @@ def shard_with_torch(model, mp_policy: MixedPrecisionPolicy | None = None):
 
 
 def mixing_weights_seen_in_forward(model, batch) -> dict:
-    """The λ table the decoder layers received in one forward pass, and its dtype."""
-    seen = {}
-    hook = model.model.value_residual.register_forward_hook(lambda module, args, output: seen.update(weights=output))
-    model(input_ids=batch)  # with gradient, as a training step runs
-    hook.remove()
-    weights = full_tensor(seen["weights"])
-    return {"dtype": str(weights.dtype), "weights": weights.float().tolist()}
+    """The λ table the decoder layers received in one forward pass (with gradient, as a training step runs), its
+    dtype, and each layer's pair."""
+    table, per_layer = lambdas_seen_in_forward(model.model.value_residual, lambda: model(input_ids=batch))
+    if table is None:  # fixed λ
+        return {"dtype": None, "weights": None, "per_layer": per_layer}
+    weights = full_tensor(table)
+    return {"dtype": str(weights.dtype), "weights": weights.float().tolist(), "per_layer": per_layer}
 
 
 def main(data_dir: str, out: str) -> None:
