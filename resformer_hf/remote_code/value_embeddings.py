@@ -111,8 +111,10 @@ def attach_value_embedding(attention: nn.Module, config, layer_idx: int) -> None
     attention.has_value_embedding = layer_idx in config.value_embedding_layers
     if attention.has_value_embedding:
         kv_dim = config.num_key_value_heads * attention.head_dim
+        # read here, not from the gate: vLLM swaps the gate for its own linear, which has no `in_features`
+        attention.value_embedding_channels = min(GATE_CHANNELS, config.hidden_size)
         attention.value_embedding = ValueEmbedding(config.vocab_size, kv_dim)
-        attention.value_embedding_gate = ValueEmbeddingGate(min(GATE_CHANNELS, config.hidden_size),
+        attention.value_embedding_gate = ValueEmbeddingGate(attention.value_embedding_channels,
                                                             config.num_key_value_heads, bias=False)
 
 
@@ -126,7 +128,7 @@ def add_value_embedding(attention: nn.Module, value_states: torch.Tensor, hidden
     if token_ids is None:
         raise ValueError(NEEDS_INPUT_IDS)
     batch, heads, length, head_dim = value_states.shape
-    gate = attention.value_embedding_gate(hidden_states[..., : attention.value_embedding_gate.in_features])
+    gate = attention.value_embedding_gate(hidden_states[..., : attention.value_embedding_channels])
     rows = attention.value_embedding(token_ids).view(batch, length, heads, head_dim).transpose(1, 2)
     gate = torch.sigmoid(gate.transpose(1, 2).unsqueeze(-1).to(value_states.dtype))  # [B, H_kv, T, 1]
     return torch.addcmul(value_states, gate, rows.to(value_states.dtype), value=2.0)
