@@ -84,6 +84,18 @@ def test_cost_benchmark_end_to_end(tmp_path):
     assert (out / "cost.png").stat().st_size > 0
 
 
+def test_value_embedding_costs_count_the_tables_and_keep_only_their_gates():
+    """Exact counts: the parameters a table and its gate add, and the saved activations: only the gates beyond
+    Llama's (2 layers: the table in layer 1)."""
+    from benchmarks.cost import value_embedding_costs as costs
+
+    row = costs.measure(64, 2, 16, ["value_embeddings"])[0]
+    kv_dim = 64  # 2 kv heads of 32
+    assert row[2].startswith(f"{costs.VOCAB * kv_dim + 12 * 2:+,} (")
+    assert 1.0 < float(row[4]) < 1.01 and float(row[3]) > 1.1  # the gates alone; the table, its gradient and moments
+    assert int(row[7].split(",")[0]) == 13  # one table layer: aten ops, views too (6 kernels: test_value_embeddings)
+
+
 # ---- smoke tests of the remaining benchmark scripts: each on a tiny setting, its numbers' invariants asserted ----
 
 

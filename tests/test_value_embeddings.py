@@ -265,6 +265,21 @@ def test_an_assignment_after_construction_is_checked_when_the_model_is_built():
         ResFormerForCausalLM(config)
 
 
+def test_a_table_keeps_only_its_gate_for_backward():
+    """Exact byte accounting: beyond the same model without tables, a layer with a table saves its gate σ(W x̂)
+    [B, T, H_kv] and nothing V-sized (the looked-up rows would be; backward looks them up again)."""
+    from test_core_model import saved_activation_bytes
+
+    input_ids = torch.randint(3, 128, (2, 32))
+    saved = {}
+    for layout in (None, "alternating"):
+        torch.manual_seed(0)
+        model = model_with_random_lambdas(tiny_config("learnable_plus", value_embeddings=layout)).train()
+        saved[layout] = saved_activation_bytes(model, input_ids)
+    gate_bytes = 2 * 32 * TINY["num_key_value_heads"] * 4
+    assert saved["alternating"] - saved[None] == len(model.config.value_embedding_layers) * gate_bytes, saved
+
+
 def test_cross_layer_attention_producers_may_have_tables():
     config = ResFormerConfig(**TINY, value_residual="none", cross_layer_attention=2, value_embeddings=[0, 2])
     model = model_with_tables("none", [0, 2], cross_layer_attention=2)
@@ -276,9 +291,10 @@ def test_cross_layer_attention_producers_may_have_tables():
 
 
 #: Kernels (aten ops, views excluded) a layer with a table adds, measured and held so they cannot grow: a decode step
-#: the lookup, the gate's GEMM (and the reshape of its 3-D input), its sigmoid and one addcmul; a bf16 training step
-#: those, their backward (the table's dense gradient, the gate's), and autocast's casts of the gate and rows.
-TABLE_KERNELS = {"decode": 5, "training": 24}
+#: the lookup, the gate's GEMM (and the reshape of its 3-D input), its sigmoid, the gated rows' product and the add;
+#: a bf16 training step those, the lookup and product again in backward (the rows are not kept), their backward (the
+#: table's dense gradient, the gate's), and autocast's casts of the gate and rows.
+TABLE_KERNELS = {"decode": 6, "training": 26}
 
 
 @pytest.mark.parametrize("kind", ["decode", "training"])

@@ -92,7 +92,21 @@ def training_bytes_cpu(trainer: Trainer) -> int:
     and optimizer state are summed directly because they may reuse the addresses activations had.
     """
     parameters = list(trainer.model.parameters())  # shared (tied) parameters appear once
-    parameter_storages = {_storage_key(p) for p in parameters}
+    activation_bytes, loss = saved_activation_bytes(trainer)
+    loss.backward()
+    trainer.optimizer.step()
+    states = trainer.optimizer.state.values()
+    state_bytes = sum(value.nbytes for state in states for value in state.values() if torch.is_tensor(value))
+    trainer.optimizer.zero_grad(set_to_none=True)
+    parameter_bytes = sum(p.nbytes for p in parameters)
+    gradient_bytes = sum(p.nbytes for p in parameters if p.requires_grad)
+    return parameter_bytes + gradient_bytes + state_bytes + activation_bytes
+
+
+def saved_activation_bytes(trainer: Trainer) -> tuple[int, torch.Tensor]:
+    """Bytes of the tensors a training forward saves for backward, each storage once, parameters excluded; and the
+    loss, whose backward frees them."""
+    parameter_storages = {_storage_key(p) for p in trainer.model.parameters()}
     activations: set[tuple[int, int]] = set()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -103,15 +117,7 @@ def training_bytes_cpu(trainer: Trainer) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = trainer.model(input_ids=trainer.batch, labels=trainer.batch, use_cache=False).loss
-    activation_bytes = sum(nbytes for _, nbytes in activations)
-    loss.backward()
-    trainer.optimizer.step()
-    states = trainer.optimizer.state.values()
-    state_bytes = sum(value.nbytes for state in states for value in state.values() if torch.is_tensor(value))
-    trainer.optimizer.zero_grad(set_to_none=True)
-    parameter_bytes = sum(p.nbytes for p in parameters)
-    gradient_bytes = sum(p.nbytes for p in parameters if p.requires_grad)
-    return parameter_bytes + gradient_bytes + state_bytes + activation_bytes
+    return sum(nbytes for _, nbytes in activations), loss
 
 
 def training_bytes_cuda(trainer: Trainer, device: torch.device) -> int:

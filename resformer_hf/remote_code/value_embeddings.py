@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ._compat import ALL_PARALLEL_STYLES
 
@@ -122,16 +123,27 @@ def add_value_embedding(attention: nn.Module, value_states: torch.Tensor, hidden
                         token_ids: torch.Tensor | None) -> torch.Tensor:
     """`V' + 2·σ(W x̂[..., :C])·VE[token]` per kv head, from V' [B, H_kv, T, D] (H_kv: this rank's heads under tensor
     parallelism), x̂ [B, T, hidden] and the token ids [B, T]; V' itself when the layer has no table. Out of place:
-    layer 0's V' may be a view of the V_0 it hands on."""
+    layer 0's V' may be a view of the V_0 it hands on. With gradient the rows are looked up again in backward (a
+    checkpoint around the lookup, so every engine's module hooks see it) instead of kept: kept, they would be a
+    V-sized tensor a layer beyond what Llama saves."""
     if not attention.has_value_embedding:
         return value_states
     if token_ids is None:
         raise ValueError(NEEDS_INPUT_IDS)
-    batch, heads, length, head_dim = value_states.shape
-    gate = attention.value_embedding_gate(hidden_states[..., : attention.value_embedding_channels])
-    rows = attention.value_embedding(token_ids).view(batch, length, heads, head_dim).transpose(1, 2)
-    gate = torch.sigmoid(gate.transpose(1, 2).unsqueeze(-1).to(value_states.dtype))  # [B, H_kv, T, 1]
-    return torch.addcmul(value_states, gate, rows.to(value_states.dtype), value=2.0)
+    gate = torch.sigmoid(attention.value_embedding_gate(hidden_states[..., : attention.value_embedding_channels]))
+    if torch.is_grad_enabled():
+        gated = checkpoint(gated_rows, attention.value_embedding, gate, token_ids, value_states.dtype,
+                           use_reentrant=False, preserve_rng_state=False)
+    else:
+        gated = gated_rows(attention.value_embedding, gate, token_ids, value_states.dtype)
+    return torch.add(value_states, gated, alpha=2.0)
+
+
+def gated_rows(table: nn.Module, gate: torch.Tensor, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """σ(W x̂)·VE[token] [B, H_kv, T, D] from the gate [B, T, H_kv] and the token ids [B, T]."""
+    batch, length, heads = gate.shape
+    rows = table(token_ids).view(batch, length, heads, -1).transpose(1, 2)
+    return gate.transpose(1, 2).unsqueeze(-1).to(dtype) * rows.to(dtype)
 
 
 try:  # transformers 5.19 has no EmbeddingParallel: there tensor parallel cannot split a model with tables
