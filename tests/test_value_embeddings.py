@@ -126,6 +126,27 @@ def test_a_gate_swapped_for_another_linear_module_gives_the_same_outputs():
         torch.testing.assert_close(model(input_ids).logits, expected, rtol=0, atol=0)
 
 
+@pytest.mark.slow
+def test_a_compiled_training_step_gives_the_eager_gradients():
+    """The lookup's checkpoint traces into one graph (`fullgraph=True`, forward and backward), eager's gradients."""
+    import torch._dynamo
+
+    model = model_with_tables("learnable_plus", "alternating").train()
+    input_ids = torch.randint(3, 128, (2, 9))
+
+    def gradients(forward):
+        model.zero_grad(set_to_none=True)
+        forward(input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    eager = gradients(model)
+    torch._dynamo.reset()
+    compiled = gradients(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert sorted(compiled) == sorted(eager) and any(".value_embedding." in name for name in eager)
+    for name, grad in eager.items():
+        torch.testing.assert_close(compiled[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_the_cache_holds_values_with_the_table_in_them():
     """A decode step reads earlier tokens' V'' from the cache: a cache filled without the tables gives other logits."""
     model = model_with_tables("learnable_plus", "alternating")
