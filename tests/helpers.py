@@ -131,6 +131,28 @@ def assert_checkpointing_keeps_the_gradients(model, use_reentrant: bool) -> dict
     return plain
 
 
+def assert_compiled_training_keeps_the_gradients(model) -> dict[str, torch.Tensor]:
+    """A training step compiled into one graph (`fullgraph=True`, AOTAutograd, forward and backward) gives eager's
+    gradients; returns the eager ones."""
+    import torch._dynamo
+
+    model.train()
+    input_ids = torch.randint(3, 128, (2, 9))
+
+    def gradients(forward):
+        model.zero_grad(set_to_none=True)
+        forward(input_ids, labels=input_ids, use_cache=False).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    eager = gradients(model)
+    torch._dynamo.reset()
+    compiled = gradients(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert compiled.keys() == eager.keys()
+    for name in eager:
+        assert torch.allclose(compiled[name], eager[name], atol=1e-6, rtol=1e-5), name
+    return eager
+
+
 def decode_logits(forward, model, prompt: torch.Tensor, steps: int, cache) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Greedy decoding one token at a time through `forward` with `cache`: each step's last logits, all tokens."""
     tokens, step_logits = prompt, []

@@ -20,6 +20,7 @@ from helpers import (
     TINY,
     assert_attention_backends_agree,
     assert_checkpointing_keeps_the_gradients,
+    assert_compiled_training_keeps_the_gradients,
     llama_pair,
     model_with_random_lambdas,
     tiny_config,
@@ -129,22 +130,8 @@ def test_a_gate_swapped_for_another_linear_module_gives_the_same_outputs():
 @pytest.mark.slow
 def test_a_compiled_training_step_gives_the_eager_gradients():
     """The lookup's checkpoint traces into one graph (`fullgraph=True`, forward and backward), eager's gradients."""
-    import torch._dynamo
-
-    model = model_with_tables("learnable_plus", "alternating").train()
-    input_ids = torch.randint(3, 128, (2, 9))
-
-    def gradients(forward):
-        model.zero_grad(set_to_none=True)
-        forward(input_ids, labels=input_ids, use_cache=False).loss.backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-    eager = gradients(model)
-    torch._dynamo.reset()
-    compiled = gradients(torch.compile(model, backend="aot_eager", fullgraph=True))
-    assert sorted(compiled) == sorted(eager) and any(".value_embedding." in name for name in eager)
-    for name, grad in eager.items():
-        torch.testing.assert_close(compiled[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    eager = assert_compiled_training_keeps_the_gradients(model_with_tables("learnable_plus", "alternating"))
+    assert any(".value_embedding." in name for name in eager)
 
 
 def test_the_cache_holds_values_with_the_table_in_them():
