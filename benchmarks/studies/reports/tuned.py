@@ -147,8 +147,12 @@ def render(results: Results) -> Path | None:
                            f"{d.negative}/{d.n} seeds lower; {d.verdict()}", fewer])
     meta = next((store.meta for store in stores.values() if store.runs), next(iter(stores.values())).meta)
     config = next(iter(stores.values())).config
+    # A study tuned on another trains one lr per arm: once that cell is complete, the arm's partial cells at other
+    # lrs are other studies' runs on this corpus, shown but never trained by this one.
     missing = [f"`{arm}` lr {lr:g}" for arm, by_lr in table.items() for lr, cell in by_lr.items()
-               if len(cell.runs) < len(seeds) and (cell.runs or not tuned_from)]
+               if len(cell.runs) < len(seeds) and (not tuned_from or cell.runs and best[arm] is None)]
+    borrowed = [f"`{arm}` lr {lr:g}" for arm, by_lr in table.items() for lr, cell in by_lr.items()
+                if tuned_from and cell.runs and len(cell.runs) < len(seeds) and best[arm] is not None]
     if tuned_from:
         origin = (f"Each arm trains only at its best learning rate in `{tuned_from}.md` (the same model, budget "
                   "and schedule on the first corpus), so the comparison below is tuned Llama against tuned arms.")
@@ -186,6 +190,9 @@ def render(results: Results) -> Path | None:
         lines += ["", f"**Incomplete**: {', '.join(missing)} do not have all {len(seeds)} seeds yet; rerun the "
                   "command to finish them (finished runs are kept). Best learning rates are chosen among complete "
                   "cells only."]
+    if borrowed:
+        lines += ["", f"{', '.join(borrowed)}: runs of other studies on this corpus, shown for reference; this study "
+                  "trains each arm only at its best learning rate, where every seed has finished."]
     path = results.write(lines, ("final loss vs learning rate", ""))
     plot(table, best, results.image())
     return path
