@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -85,8 +86,14 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def training_bytes_cpu(trainer: Trainer) -> int:
-    """Parameters + gradients + AdamW state + tensors saved for backward (activations counted once per storage).
+class TrainingBytes(NamedTuple):
+    total: int  #: parameters + gradients + AdamW state + saved activations
+    saved_activations: int
+
+
+def training_bytes_cpu(trainer: Trainer) -> TrainingBytes:
+    """Parameters + gradients + AdamW state + tensors saved for backward (activations counted once per storage),
+    after one training step (AdamW's state exists from then on).
 
     Saved activations are all alive together until backward, so their storages are told apart by address; gradients
     and optimizer state are summed directly because they may reuse the addresses activations had.
@@ -100,7 +107,7 @@ def training_bytes_cpu(trainer: Trainer) -> int:
     trainer.optimizer.zero_grad(set_to_none=True)
     parameter_bytes = sum(p.nbytes for p in parameters)
     gradient_bytes = sum(p.nbytes for p in parameters if p.requires_grad)
-    return parameter_bytes + gradient_bytes + state_bytes + activation_bytes
+    return TrainingBytes(parameter_bytes + gradient_bytes + state_bytes + activation_bytes, activation_bytes)
 
 
 def saved_activation_bytes(trainer: Trainer) -> tuple[int, torch.Tensor]:
@@ -185,7 +192,7 @@ def measure(hidden: int, layers: int, seq_len: int, args, device: torch.device) 
         variant = BASELINE if name == CONTROL else name
         trainers[name] = Trainer(build_model(variant, device, dtype=getattr(torch, args.dtype), **size), batch)
     memory = {
-        name: training_bytes_cuda(t, device) if device.type == "cuda" else training_bytes_cpu(t)
+        name: training_bytes_cuda(t, device) if device.type == "cuda" else training_bytes_cpu(t).total
         for name, t in trainers.items()
     }
     counts = {name: {"step": census(t.step), "prefill": census(t.prefill)} for name, t in trainers.items()}
