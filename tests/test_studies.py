@@ -270,6 +270,33 @@ def test_value_embedding_studies_share_the_stored_llama_and_learnable_plus_runs(
     assert tables["arm"]["value_embeddings"] == "alternating" and tables["budget"]["tokens"] == 2_500_000
 
 
+def test_head_to_head_tables_pair_each_arm_with_each_reference_once():
+    """A paired report's head-to-head tables: every other arm against each declared reference, by seed, hand-computed;
+    a pair shown under an earlier reference is not repeated; without references, the first arm after Llama."""
+    from types import SimpleNamespace
+
+    from benchmarks.studies.reports.paired import head_to_head_rows
+
+    finals = {"llama": [4.0, 4.2], "a": [3.9, 4.0], "b": [3.8, 4.1], "wide": [3.95, 4.15]}
+    runs = {f"{arm}/seed{s}": {"final_val_loss": loss}
+            for arm, losses in finals.items() for s, loss in enumerate(losses)}
+    summaries = {"english": {"seeds": [0, 1]}}
+    for references, expected in [
+        (("a", "wide"), {"a": {"b": (-0.1 + 0.1) / 2, "wide": (0.05 + 0.15) / 2}, "wide": {"b": (-0.15 - 0.05) / 2}}),
+        ((), {"a": {"b": 0.0, "wide": 0.1}}),
+    ]:
+        results = SimpleNamespace(arms=list(finals), cells={"english": runs},
+                                  study=SimpleNamespace(references=references))
+        tables = head_to_head_rows(summaries, results)
+        assert {reference: [row[1].strip("`") for row in rows] for reference, rows in tables.items()} == {
+            reference: list(arms) for reference, arms in expected.items()}
+        for reference, rows in tables.items():
+            for row in rows:
+                assert float(row[2].split(" ± ")[0]) == pytest.approx(expected[reference][row[1].strip("`")], abs=1e-4)
+    for study in catalogue.STUDIES.values():
+        assert set(study.references) <= {arm.name for arm in study.arms} - {"llama"}, study.name
+
+
 def test_defaults_are_explicit_in_an_identity():
     size = ModelSize(128, 6, 4)
     assert plan.model_identity("llama", size) == plan.model_identity("llama", ModelSize(128, 6, 4, 4, 352, 1))

@@ -80,7 +80,7 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
         "at lr 3e-3 (Llama's and learnable_plus's best in lr_sweep; give an arm `lr=` once value_embeddings_lr "
         "finds another best for it)",
         report="paired", arms=VALUE_EMBEDDING_ARMS, settings=CONTEXT_512, seeds=tuple(range(10)),
-        grid=Grid("corpora", "corpus", ("english", "python-stdlib")),
+        grid=Grid("corpora", "corpus", ("english", "python-stdlib")), references=("learnable_plus", "llama_wide"),
     ),
     Study(
         "baselines", "DenseFormer and NeuTRENO next to ResFormer; SVFormer next to GQA, CLA and SVFormer × CLA",

@@ -150,6 +150,9 @@ class Study:
     continuation: Continuation | None = None  #: set for the uptrain study: arms are `ContinuedArm`s
     comparisons: tuple[tuple[str, tuple[str, ...]], ...] = ()  #: (table, its arms) for reports with several tables
     stored_seeds: bool = False  #: the report also covers every other seed the store holds of the study's runs
+    #: paired report: the arms each other arm is put head to head with (default: the first arm after Llama), e.g. a
+    #: parameter-matched control
+    references: tuple[str, ...] = ()
 
     def arm(self, name: str):
         for arm in self.arms:

@@ -44,18 +44,25 @@ def seed_rows(cell: CellRuns, arm: str, seeds: list[int]) -> tuple[list[list[str
     return rows, "; correlation over seeds of Δ with the mean " + ", with the mean ".join(correlations)
 
 
-def head_to_head_rows(summaries: dict, results: Results) -> tuple[str, list[list[str]]]:
-    """The first non-Llama arm (the one a study puts the others next to, e.g. the default) against each later arm,
-    paired by seed as against Llama; no rows with fewer than two such arms."""
-    reference, *others = [arm for arm in results.arms if arm != BASELINE]
-    rows = []
-    for cell, summary in summaries.items():
-        seeds, runs = summary["seeds"], results.cells[cell]
-        for arm in others:
-            d = paired_difference([runs[f"{arm}/seed{s}"]["final_val_loss"] for s in seeds],
-                                  [runs[f"{reference}/seed{s}"]["final_val_loss"] for s in seeds])
-            rows.append([f"`{cell}`", f"`{arm}`", d.describe(), f"{d.negative}/{d.n} seeds lower; {d.verdict()}"])
-    return reference, rows
+def head_to_head_rows(summaries: dict, results: Results) -> dict[str, list[list[str]]]:
+    """Per reference arm (the study's `references`, else the first non-Llama arm), every other non-Llama arm against
+    it, paired by seed as against Llama; a pair already shown under an earlier reference is not repeated."""
+    arms = [arm for arm in results.arms if arm != BASELINE]
+    tables = {}
+    for index, reference in enumerate(results.study.references or arms[:1]):
+        earlier = set(results.study.references[:index])
+        rows = []
+        for cell, summary in summaries.items():
+            seeds, runs = summary["seeds"], results.cells[cell]
+            for arm in arms:
+                if arm == reference or arm in earlier:
+                    continue
+                d = paired_difference([runs[f"{arm}/seed{s}"]["final_val_loss"] for s in seeds],
+                                      [runs[f"{reference}/seed{s}"]["final_val_loss"] for s in seeds])
+                rows.append([f"`{cell}`", f"`{arm}`", d.describe(), f"{d.negative}/{d.n} seeds lower; {d.verdict()}"])
+        if rows:
+            tables[reference] = rows
+    return tables
 
 
 def gate_rows(cell: CellRuns, arm: str, seeds: list[int]) -> list[list[str]]:
@@ -122,8 +129,7 @@ def render(results: Results) -> Path | None:
         "excludes 0. *Fewer tokens* is the paper's metric, `1 − tokens_to_reach(arm curve, Llama's final loss) / "
         "budget`, per seed.",
     ]
-    reference, head_to_head = head_to_head_rows(summaries, results)
-    if head_to_head:
+    for reference, head_to_head in head_to_head_rows(summaries, results).items():
         lines += ["", f"Head to head with `{reference}`, paired by seed the same way:", "",
                   markdown_table(["corpus", "model", f"Δ vs `{reference}`, paired (mean ± std [95% t-interval])",
                                   "seed noise check"], head_to_head)]
