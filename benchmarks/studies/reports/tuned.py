@@ -149,10 +149,12 @@ def render(results: Results) -> Path | None:
     config = next(iter(stores.values())).config
     # A study tuned on another trains one lr per arm: once that cell is complete, the arm's partial cells at other
     # lrs are other studies' runs on this corpus, shown but never trained by this one.
-    missing = [f"`{arm}` lr {lr:g}" for arm, by_lr in table.items() for lr, cell in by_lr.items()
-               if len(cell.runs) < len(seeds) and (not tuned_from or cell.runs and best[arm] is None)]
-    borrowed = [f"`{arm}` lr {lr:g}" for arm, by_lr in table.items() for lr, cell in by_lr.items()
-                if tuned_from and cell.runs and len(cell.runs) < len(seeds) and best[arm] is not None]
+    partial = [(arm, lr, cell) for arm, by_lr in table.items() for lr, cell in by_lr.items()
+               if len(cell.runs) < len(seeds)]
+    missing = [f"`{arm}` lr {lr:g}" for arm, lr, cell in partial
+               if not tuned_from or cell.runs and best[arm] is None]
+    borrowed = [f"`{arm}` lr {lr:g}" for arm, lr, cell in partial
+                if tuned_from and cell.runs and best[arm] is not None]
     if tuned_from:
         origin = (f"Each arm trains only at its best learning rate in `{tuned_from}.md` (the same model, budget "
                   "and schedule on the first corpus), so the comparison below is tuned Llama against tuned arms.")
