@@ -109,19 +109,82 @@ def _section_commands(title: str) -> list[str]:
     return [command for block in blocks for command in _commands(block)]
 
 
+#: How .ci/run starts a job script beside the others (`in_background bash .ci/NAME`); it waits for it at the end.
+BACKGROUND = "in_background "
+
+
+def _ci_commands(script: str) -> tuple[list[str], set[str]]:
+    """A CI script's commands, each as the README writes it, and those of them it runs in the background."""
+    commands = _commands((REPO / script).read_text(encoding="utf-8"))
+    background = {command.removeprefix(BACKGROUND) for command in commands if command.startswith(BACKGROUND)}
+    return [command.removeprefix(BACKGROUND) for command in commands], background
+
+
 def test_ci_runs_exactly_the_readme_commands():
+    """Every command of the README's CI sections runs, in the README's order; a job started in the background
+    (whose log and exit status .ci/run collects at the end) runs beside the others, so its place is not checked."""
     for title, script in CI_SECTIONS.items():
-        ci = _commands((REPO / script).read_text(encoding="utf-8"))
+        ci, background = _ci_commands(script)
         expected = _section_commands(title)
         assert expected, title
         positions = [ci.index(command) if command in ci else -1 for command in expected]
         assert -1 not in positions, f"{title}: {expected} not all in {script} {ci}"
-        assert positions == sorted(positions), f"{title}: {script} runs them in another order"
+        in_order = [position for command, position in zip(expected, positions) if command not in background]
+        assert in_order == sorted(in_order), f"{title}: {script} runs them in another order"
+
+
+def _background_functions() -> str:
+    """.ci/run's in_background, finish_background and cleanup, as .ci/run defines them."""
+    text = CI_SCRIPT.read_text(encoding="utf-8")
+    return text[text.index("background=()"):text.index("trap cleanup EXIT")]
+
+
+def _run_ci_functions(folder: Path, body: str) -> subprocess.CompletedProcess:
+    """`body` run after .ci/run's functions, in `folder` with three job scripts: ok, bad (exit 3), slow (a child)."""
+    jobs = folder / ".ci"
+    jobs.mkdir(parents=True)
+    (jobs / "ok").write_text("echo ok says hello\n")
+    (jobs / "bad").write_text("echo bad says goodbye\nexit 3\n")
+    (jobs / "slow").write_text(f"sleep 300 &\necho $! > {folder}/child.pid\nwait\n")
+    script = f"set -euo pipefail\nscratch={folder}/scratch\nmkdir $scratch\n{_background_functions()}\n{body}\n"
+    return subprocess.run(["bash", "-c", script], cwd=folder, capture_output=True, text=True, timeout=60)
+
+
+def test_ci_starts_the_wheel_and_serving_jobs_in_the_background_and_waits_for_them():
+    ci, background = _ci_commands(".ci/run")
+    assert background == {"bash .ci/wheel", "bash .ci/serving"}
+    assert ci[-1] == "finish_background"
+    # .ci/serving's `pip install -e .` rewrites the clone's *.egg-info: it starts after the clone's own editable
+    # installs, before the suite (which installs nothing)
+    suite = ci.index("python -m pytest -q -n auto --dist loadscope tests")
+    editable = [i for i, command in enumerate(ci[:suite]) if re.search(r"pip install .*-e \"?\.", command)]
+    assert editable and max(editable) < ci.index("bash .ci/serving") < suite
+
+
+def test_a_job_that_fails_in_the_background_fails_ci_and_its_log_is_printed(tmp_path):
+    run = _run_ci_functions(tmp_path / "one", "in_background bash .ci/ok\nin_background bash .ci/bad\n"
+                                              "finish_background\necho not reached")
+    assert run.returncode == 1, run
+    assert "== .ci/ok (in the background; exit status 0) ==\nok says hello" in run.stdout
+    assert "== .ci/bad (in the background; exit status 3) ==\nbad says goodbye" in run.stdout
+    assert "failed in the background: bad" in run.stdout and "not reached" not in run.stdout
+    run = _run_ci_functions(tmp_path / "two", "in_background bash .ci/ok\nfinish_background\necho reached")
+    assert run.returncode == 0 and run.stdout.endswith("reached\n"), run
+
+
+def test_a_step_that_fails_stops_the_background_jobs_and_their_children(tmp_path):
+    run = _run_ci_functions(tmp_path, "trap cleanup EXIT\nin_background bash .ci/slow\n"
+                                      "for _ in $(seq 100); do [ -s " + str(tmp_path) + "/child.pid ] && break; "
+                                      "sleep 0.1; done\nfalse\necho not reached")
+    assert run.returncode == 1 and "not reached" not in run.stdout, run
+    child = int((tmp_path / "child.pid").read_text())
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+    assert not (tmp_path / "scratch").exists()
 
 
 def test_ci_runs_every_ci_script():
     """A job script in .ci/ that .ci/run does not call (directly, or as a README command) never runs in CI."""
-    ci = _commands(CI_SCRIPT.read_text(encoding="utf-8"))
+    ci, _ = _ci_commands(".ci/run")
     scripts = sorted(path.name for path in CI_SCRIPT.parent.iterdir() if not path.suffix and path != CI_SCRIPT)
     assert scripts and not [name for name in scripts if f"bash .ci/{name}" not in ci], (scripts, ci)
 
