@@ -165,8 +165,11 @@ def test_a_job_that_fails_in_the_background_fails_ci_and_its_log_is_printed(tmp_
     assert "== .ci/ok (in the background; exit status 0) ==\nok says hello" in run.stdout
     assert "== .ci/bad (in the background; exit status 3) ==\nbad says goodbye" in run.stdout
     assert "failed in the background: bad" in run.stdout and "not reached" not in run.stdout
-    run = _run_ci_functions(tmp_path / "two", "in_background bash .ci/ok\nfinish_background\necho reached")
+    # as .ci/run: collected, then the rest of the run, then cleanup at exit with nothing left in the background
+    run = _run_ci_functions(tmp_path / "two", "trap cleanup EXIT\nin_background bash .ci/ok\nfinish_background\n"
+                                              "echo reached")
     assert run.returncode == 0 and run.stdout.endswith("reached\n"), run
+    assert not (tmp_path / "two" / "scratch").exists()
 
 
 def test_a_step_that_fails_stops_the_background_jobs_and_their_children(tmp_path):
