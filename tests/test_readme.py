@@ -109,7 +109,7 @@ def _section_commands(title: str) -> list[str]:
     return [command for block in blocks for command in _commands(block)]
 
 
-#: How .ci/run starts a job script beside the others (`in_background bash .ci/NAME`); it waits for it at the end.
+#: How .ci/run starts a job script beside the others (`in_background bash .ci/NAME`); `finish_background` waits for it.
 BACKGROUND = "in_background "
 
 
@@ -122,7 +122,7 @@ def _ci_commands(script: str) -> tuple[list[str], set[str]]:
 
 def test_ci_runs_exactly_the_readme_commands():
     """Every command of the README's CI sections runs, in the README's order; a job started in the background
-    (whose log and exit status .ci/run collects at the end) runs beside the others, so its place is not checked."""
+    (whose log and exit status `finish_background` collects) runs beside the others, so its place is not checked."""
     for title, script in CI_SECTIONS.items():
         ci, background = _ci_commands(script)
         expected = _section_commands(title)
