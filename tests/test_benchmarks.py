@@ -146,9 +146,9 @@ def test_conversion_benchmark_measures_a_tiny_checkpoint(tmp_path, monkeypatch):
 
 
 def test_vllm_benchmark_end_to_end(tmp_path):
-    """Serving throughput and KV bytes per token through vLLM; runs where vLLM is installed (`.ci/serving`). Llama's
+    """Serving throughput and KV bytes per token through vLLM; runs where vLLM is installed (`.ci/vllm-venv`). Llama's
     ratio to itself is exactly 1, and the same-size models (a second Llama, learnable_plus) get Llama's KV bytes."""
-    pytest.importorskip("vllm", reason="bench_vllm needs vLLM (its own virtualenv, see .ci/serving)")
+    pytest.importorskip("vllm", reason="bench_vllm needs vLLM (its own virtualenv, see .ci/vllm-venv)")
     from benchmarks.serving import bench_vllm
 
     out = tmp_path / "vllm.md"

@@ -114,15 +114,24 @@ BACKGROUND = "in_background "
 
 
 def _ci_commands(script: str) -> tuple[list[str], set[str]]:
-    """A CI script's commands, each as the README writes it, and those of them it runs in the background."""
-    commands = _commands((REPO / script).read_text(encoding="utf-8"))
-    background = {command.removeprefix(BACKGROUND) for command in commands if command.startswith(BACKGROUND)}
-    return [command.removeprefix(BACKGROUND) for command in commands], background
+    """A CI script's commands, each as the README writes it, and those it runs in the background: a job script started
+    with `in_background` counts, and so does each of its own commands, which follow it in the list."""
+    commands, background = [], set()
+    for command in _commands((REPO / script).read_text(encoding="utf-8")):
+        if command.startswith(BACKGROUND):
+            job = command.removeprefix(BACKGROUND)
+            jobs = [job, *_commands((REPO / job.removeprefix("bash ")).read_text(encoding="utf-8"))]
+            commands += jobs
+            background.update(jobs)
+        else:
+            commands.append(command)
+    return commands, background
 
 
 def test_ci_runs_exactly_the_readme_commands():
     """Every command of the README's CI sections runs, in the README's order; a job started in the background
-    (whose log and exit status `finish_background` collects) runs beside the others, so its place is not checked."""
+    (whose log and exit status `finish_background` collects) runs beside the others, so its commands' places are
+    not checked."""
     for title, script in CI_SECTIONS.items():
         ci, background = _ci_commands(script)
         expected = _section_commands(title)
@@ -150,12 +159,21 @@ def _run_ci_functions(folder: Path, body: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", script], cwd=folder, capture_output=True, text=True, timeout=60)
 
 
-def test_ci_starts_the_wheel_job_in_the_background_and_waits_for_it():
+def test_ci_runs_its_background_jobs_where_they_cannot_race():
     ci, background = _ci_commands(".ci/run")
-    assert background == {"bash .ci/wheel"}
-    # collected before the suite: a broken wheel fails CI in minutes, and the suite has both cores to itself
-    assert "finish_background" in ci and ci.index("finish_background") < ci.index(
-        "python -m pytest -q -n auto --dist loadscope tests")
+    started = [command.removeprefix(BACKGROUND) for command in _commands(CI_SCRIPT.read_text(encoding="utf-8"))
+               if command.startswith(BACKGROUND)]
+    assert started == ["bash .ci/wheel", "bash .ci/environments"] and set(started) <= background
+    waits = [index for index, command in enumerate(ci) if command == "finish_background"]
+    suite = ci.index("python -m pytest -q -n auto --dist loadscope tests")
+    # the wheel job is collected before the suite: a broken wheel fails CI in minutes, and the suite has both cores
+    assert ci.index("bash .ci/wheel") < waits[0] < suite
+    # the virtualenvs are made after the main editable install (one pip at a time writes the clone's egg-info) and
+    # while the suite runs, and collected before the first test that needs one
+    install = ci.index('pip install "torch==2.13.0" -e ".[test,distributed,clients,serve]"')
+    first_use = min(index for index, command in enumerate(ci) if command.startswith(".venv/") and "pytest" in command)
+    assert install < ci.index("bash .ci/environments") < suite < waits[1] < first_use, ci
+    assert len(waits) == 2
 
 
 def test_a_job_that_fails_in_the_background_fails_ci_and_its_log_is_printed(tmp_path):
@@ -183,10 +201,12 @@ def test_a_step_that_fails_stops_the_background_jobs_and_their_children(tmp_path
 
 
 def test_ci_runs_every_ci_script():
-    """A job script in .ci/ that .ci/run does not call (directly, or as a README command) never runs in CI."""
+    """A job script in .ci/ that .ci/run does not call (directly, or as a README command, or from a job it starts in
+    the background) never runs in CI."""
     ci, _ = _ci_commands(".ci/run")
     scripts = sorted(path.name for path in CI_SCRIPT.parent.iterdir() if not path.suffix and path != CI_SCRIPT)
-    assert scripts and not [name for name in scripts if f"bash .ci/{name}" not in ci], (scripts, ci)
+    called = {command.split()[1] for command in ci if command.startswith("bash .ci/")}
+    assert scripts and not [name for name in scripts if f".ci/{name}" not in called], (scripts, ci)
 
 
 def test_every_skipped_snippet_says_what_covers_it():

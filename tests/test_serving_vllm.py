@@ -3,9 +3,10 @@
 `resformer_hf.integrations.vllm_plugin`, serves: an SVFormer stores its values once) and from a folder's remote code
 alone (`model_impl="transformers"`).
 
-vLLM pins its own transformers, so these tests run in their own virtualenv (`.ci/serving`); elsewhere they skip. Every
-vLLM engine runs in a fresh interpreter (`vllm_serving.py`); the reference tokens come from `generate()` in this
-process, one prompt at a time (no padding), while vLLM gets the prompts as one batch and packs them.
+vLLM pins its own transformers, so these tests run in their own virtualenv (`bash .ci/vllm-venv .venv/vllm`); elsewhere
+they skip. Every vLLM engine runs in a fresh interpreter (`vllm_serving.py`); the reference tokens come from
+`generate()` in this process, one prompt at a time (no padding), while vLLM gets the prompts as one batch and packs
+them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip(
         "vLLM is not installed: the serving tests run in their own virtualenv (vLLM pins its own transformers); "
-        "see .ci/serving and docs/serving.md",
+        "see .ci/vllm-venv and docs/serving.md",
         allow_module_level=True,
     )
 
