@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -200,6 +202,23 @@ def test_uptrain_study_end_to_end(where):
     assert moved("learnable_plus-preserve-lr30") > 5 * moved("learnable_plus-preserve")
     table = open(f"{where[3]}/uptrain.md").read()
     assert all(f"| `{arm}` |" in table for arm in arms)
+
+
+def test_a_llama_pretrained_again_to_the_same_curve_keeps_its_record(where, tmp_path):
+    """The pre-trained Llama's folder lives in the temp directory: when it is gone and a continuation is missing, the
+    Llama is trained again; reproducing the stored curve, it leaves the stored record (its day, its timings) as is."""
+    command = ["run", "uptrain", *TINY_DATA, "--seq-len", "32", "--batch-size", "4", "--hidden-size", "32",
+               "--layers", "2", "--heads", "2", "--pretrain-tokens", "256", "--tokens", "128", "--eval-every", "2",
+               "--seeds", "0", "--arms", "llama", *where]
+    cli.main(command)
+    files = {json.loads(path.read_text())["identity"]["kind"]: path for path in Path(where[1]).glob("*.json")}
+    pretrain_record = files["pretrain"].read_bytes()
+    shutil.rmtree(next((tmp_path / "tmp").glob("resformer-bench-uptrain-*")))
+    files["continue"].unlink()
+    cli.main(command)
+    assert files["continue"].is_file()  # trained again, from the Llama trained again
+    assert next((tmp_path / "tmp").glob("resformer-bench-uptrain-*/pretrained-*/llama/config.json"))
+    assert files["pretrain"].read_bytes() == pretrain_record
 
 
 def test_paired_report_over_every_seed_with_each_seeds_lambdas(where, tmp_path):

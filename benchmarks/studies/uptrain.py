@@ -39,7 +39,9 @@ def split_blocks(data: Data, continue_fraction: float, seed: int) -> tuple[Data,
 def pretrain_llama(run: PlannedRun, store: RunStore, data: Data, work_dir: Path, device, command: str,
                    description: str) -> Path:
     """The pre-trained Llama's folder under `work_dir`, named after the stored run's validation curve (a Llama
-    trained again never meets conversions of an earlier one); trained, saved and stored first when missing."""
+    trained again never meets conversions of an earlier one); trained, saved and stored first when missing. A Llama
+    trained again (its folder lost with the temp directory) that reproduces the stored curve leaves the record as it
+    is: the continuations stored from it still describe this Llama, and their reports keep the day it was measured."""
     record = store.record(run.identity)
     if record is not None and (checkpoint_folder(work_dir, record["result"]) / "llama" / "config.json").is_file():
         return checkpoint_folder(work_dir, record["result"]) / "llama"
@@ -53,6 +55,9 @@ def pretrain_llama(run: PlannedRun, store: RunStore, data: Data, work_dir: Path,
     result["budget"] = budget.describe()
     checkpoint = checkpoint_folder(work_dir, result) / "llama"
     model.save_pretrained(checkpoint)  # before the record: a stored pre-training run has its Llama on disk
+    if record is not None and checkpoint_folder(work_dir, record["result"]) == checkpoint.parent:  # the same curve
+        print("pre-trained again: the stored validation curve, reproduced exactly; its record is kept", flush=True)
+        return checkpoint
     provenance = {"environment": environment_line(device), "data": description, "command": command}
     store.put(run.identity, result, provenance, replace=record is not None)  # the continuations start from this one
     return checkpoint

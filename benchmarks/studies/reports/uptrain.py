@@ -53,8 +53,8 @@ def render(results: Results) -> Path | None:
             lambda_rows.append([f"`{arm}`", f"{mean[0]:.3f} → {mean[1]:.3f}", f"{mean[2]:.3f} → {mean[3]:.3f}",
                                 f"{mean[4]:.3f}", ", ".join(f"{a:.2f}/{b:.2f}" for a, b in ends)])
             gradients = runs[seeds[0]]["initial_lambda_gradients"]
-            gradient_rows.append([f"`{arm}`"] + [", ".join(f"{k.replace('lambda_', '')} {v:.2e}"
-                                                           for k, v in gradients.items())])
+            gradient_rows.append([f"`{arm}`", ", ".join(f"{k.replace('lambda_', '')} {v:.2e}"
+                                                         for k, v in gradients.items()) or "— (no λ parameters)"])
     pretrain = store[PRETRAIN]
     lines = [
         "# Uptraining a converted Llama vs continuing the Llama (CPU scale)",
