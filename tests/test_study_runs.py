@@ -3,6 +3,7 @@ a tiny model; nothing from ../shared is read), resumed without training again, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -99,6 +100,19 @@ with store.claim(record["identity"]) as claimed:
 """
 
 
+@contextlib.contextmanager
+def held_by_another_process(store: str, record: dict, others: int):
+    """Another process claims `record`'s run in `store` and stores it once `others` runs are stored beside it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, store, json.dumps(record), str(others)], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        yield
+        assert holder.wait(timeout=60) == 0
+    finally:
+        holder.kill()
+
+
 def test_processes_side_by_side_share_the_runs_out(where, tmp_path, monkeypatch, capsys):
     """The run another process is training is left to it: this one trains the others, then reads that run from the
     store once the other process stored it. Nothing is trained twice."""
@@ -113,20 +127,38 @@ def test_processes_side_by_side_share_the_runs_out(where, tmp_path, monkeypatch,
     monkeypatch.setattr(runner, "train_from_scratch", recording)
     cli.main([*argv, "--store", str(tmp_path / "alone"), "--out", str(tmp_path / "alone-out")])
     held = RunStore(tmp_path / "alone").record(identities[0])  # the first run this process would train
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, where[1], json.dumps(held), str(len(identities) - 1)],
-                              cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    try:
-        assert holder.stdout.readline().strip() == "True"
+    with held_by_another_process(where[1], held, len(identities) - 1):
         identities.clear()
         cli.main([*argv, *where])
-        assert holder.wait(timeout=60) == 0
-    finally:
-        holder.kill()
     assert len(identities) == 3 and held["identity"] not in identities
     assert "another process is training it; back to it at the end" in capsys.readouterr().out
     assert RunStore(where[1]).record(held["identity"]) == held
     assert "**Incomplete**" not in open(f"{where[3]}/pretrain.md").read()
+
+
+def test_uptrain_continuations_are_shared_out_between_processes_too(where, tmp_path, monkeypatch, capsys):
+    """Two uptrain processes side by side (two study chains sharing `uptrain_long`) split the continuations as the
+    from-scratch runs are split: the one another process holds is not trained here, but read from the store."""
+    from benchmarks.studies import uptrain
+
+    argv = ["run", "uptrain", *TINY_DATA, "--seq-len", "32", "--batch-size", "4", "--hidden-size", "32", "--layers",
+            "2", "--heads", "2", "--pretrain-tokens", "256", "--tokens", "128", "--eval-every", "2", "--seeds", "0",
+            "--arms", "llama", "learnable-preserve"]
+    continued, real = [], uptrain.continue_arm
+
+    def recording(run, data, checkpoint, device):
+        continued.append(run.identity)
+        return real(run, data, checkpoint, device)
+
+    monkeypatch.setattr(uptrain, "continue_arm", recording)
+    cli.main([*argv, "--store", str(tmp_path / "alone"), "--out", str(tmp_path / "alone-out")])
+    held = RunStore(tmp_path / "alone").record(continued[-1])  # the last continuation this process would train
+    with held_by_another_process(where[1], held, 2):  # stored once the pre-training and the Llama's are
+        continued.clear()
+        cli.main([*argv, *where])
+    assert len(continued) == 1 and held["identity"] not in continued
+    assert "another process is training it; back to it at the end" in capsys.readouterr().out
+    assert RunStore(where[1]).record(held["identity"]) == held
 
 
 def test_context_length_study_shares_its_runs_with_the_pretrain_study(where, trained):

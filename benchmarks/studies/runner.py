@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -94,12 +95,29 @@ class Progress:
 
 def train_missing(runs: list[PlannedRun], store: RunStore, device: torch.device, command: str, *,
                   fresh: bool = False) -> int:
-    """Train every planned run the store lacks (`fresh`: every planned run again); returns how many were trained.
+    """Train every planned run the store lacks (`fresh`: every planned run again); returns how many were trained."""
+    datasets = {}
+
+    def train(run: PlannedRun) -> tuple[dict, dict]:
+        data_key = repr(sorted(run.identity["data"].items()))
+        if data_key not in datasets:
+            datasets.clear()  # one corpus in memory at a time
+            datasets[data_key] = load_data(run.settings)
+        data, description = datasets[data_key]
+        result = train_from_scratch(run, data, device)
+        return result, {"environment": environment_line(device), "data": description, "command": command}
+
+    return share_out([run for run in runs if fresh or run.identity not in store], store, train, fresh=fresh)
+
+
+def share_out(todo: list[PlannedRun], store: RunStore, train: Callable[[PlannedRun], tuple[dict, dict]], *,
+              fresh: bool = False) -> int:
+    """Train and store each run of `todo` (`train` gives its result and provenance) while holding its claim; returns
+    how many were trained here.
 
     A run that another process is training is left to it and come back to at the end: read from the store if that
     process stored it, trained here if it died."""
-    todo = [run for run in runs if fresh or run.identity not in store]
-    progress, datasets, trained, held_elsewhere = Progress(todo), {}, 0, []
+    progress, trained, held_elsewhere = Progress(todo), 0, []
 
     def train_one(run: PlannedRun, wait: bool) -> int | None:
         """1 when trained here, 0 when found stored, None when another process holds it (only if not `wait`)."""
@@ -109,14 +127,8 @@ def train_missing(runs: list[PlannedRun], store: RunStore, device: torch.device,
             if not fresh and run.identity in store:  # another process finished it meanwhile
                 print(f"{run.label}: done, skipped", flush=True)
                 return 0
-            data_key = repr(sorted(run.identity["data"].items()))
-            if data_key not in datasets:
-                datasets.clear()  # one corpus in memory at a time
-                datasets[data_key] = load_data(run.settings)
-            data, description = datasets[data_key]
             print(f"training {run.label}", flush=True)
-            result = train_from_scratch(run, data, device)
-            provenance = {"environment": environment_line(device), "data": description, "command": command}
+            result, provenance = train(run)
             if not store.put(run.identity, result, provenance, replace=fresh):
                 print(f"{run.label}: another process stored it first; its run is kept", flush=True)
             return 1

@@ -21,7 +21,7 @@ from resformer_hf import ResFormerForCausalLM, convert_llama_checkpoint
 from benchmarks.common import BASELINE, environment_line
 from benchmarks.studies.data import Data, batch_order
 from benchmarks.studies.plan import PlannedRun
-from benchmarks.studies.runner import Progress, load_data
+from benchmarks.studies.runner import load_data, share_out
 from benchmarks.studies.spec import ContinuedArm
 from benchmarks.studies.store import RunStore, digest
 from benchmarks.studies.training import Budget, ModelSize, lambda_parameters, seeded_model, train
@@ -141,15 +141,11 @@ def train_missing_continuations(runs: list[PlannedRun], store: RunStore, device,
     split = start.identity["split"]
     pre, cont = split_blocks(whole, split["continue_fraction"], split["seed"])
     folder = Path(work_dir or Path(tempfile.gettempdir()) / f"resformer-bench-uptrain-{digest(start.identity)}")
-    llama = pretrain_llama(start, store, pre, folder, device, command, description)
-    progress = Progress(todo)
-    for run in todo:
-        if not fresh and run.identity in store:
-            print(f"{run.label}: done, skipped", flush=True)
-        else:
-            print(f"training {run.label}", flush=True)
-            result = continue_arm(run, cont, converted(run.arm, llama), device)
-            provenance = {"environment": environment_line(device), "data": description, "command": command}
-            store.put(run.identity, result, provenance, replace=fresh)
-        progress.finished(run)
-    return len(todo)
+    with store.claim(start.identity, wait=True):  # a process beside this one pre-training it: wait for its Llama
+        llama = pretrain_llama(start, store, pre, folder, device, command, description)
+
+    def train(run: PlannedRun) -> tuple[dict, dict]:
+        result = continue_arm(run, cont, converted(run.arm, llama), device)
+        return result, {"environment": environment_line(device), "data": description, "command": command}
+
+    return share_out(todo, store, train, fresh=fresh)
