@@ -23,6 +23,10 @@ from benchmarks.studies.store import RunStore
 TINY_DATA = ["--sample-chars", "30000", "--vocab-size", "300", "--val-fraction", "0.1", "--val-tokens", "256",
              "--threads", "1"]
 TINY_MODEL = ["--hidden-size", "32", "--layers", "2", "--heads", "2", "--eval-every", "2"]
+#: The uptrain study at its smallest: one continuation seed of a 2-layer Llama pre-trained on 256 tokens.
+TINY_UPTRAIN = ["run", "uptrain", *TINY_DATA, "--seq-len", "32", "--batch-size", "4", "--hidden-size", "32",
+                "--layers", "2", "--heads", "2", "--pretrain-tokens", "256", "--tokens", "128", "--eval-every", "2",
+                "--seeds", "0"]
 
 
 @pytest.fixture
@@ -141,9 +145,7 @@ def test_uptrain_continuations_are_shared_out_between_processes_too(where, tmp_p
     from-scratch runs are split: the one another process holds is not trained here, but read from the store."""
     from benchmarks.studies import uptrain
 
-    argv = ["run", "uptrain", *TINY_DATA, "--seq-len", "32", "--batch-size", "4", "--hidden-size", "32", "--layers",
-            "2", "--heads", "2", "--pretrain-tokens", "256", "--tokens", "128", "--eval-every", "2", "--seeds", "0",
-            "--arms", "llama", "learnable-preserve"]
+    argv = [*TINY_UPTRAIN, "--arms", "llama", "learnable-preserve"]
     continued, real = [], uptrain.continue_arm
 
     def recording(run, data, checkpoint, device):
@@ -239,9 +241,7 @@ def test_uptrain_study_end_to_end(where):
 def test_a_llama_pretrained_again_to_the_same_curve_keeps_its_record(where, tmp_path):
     """The pre-trained Llama's folder lives in the temp directory: when it is gone and a continuation is missing, the
     Llama is trained again; reproducing the stored curve, it leaves the stored record (its day, its timings) as is."""
-    command = ["run", "uptrain", *TINY_DATA, "--seq-len", "32", "--batch-size", "4", "--hidden-size", "32",
-               "--layers", "2", "--heads", "2", "--pretrain-tokens", "256", "--tokens", "128", "--eval-every", "2",
-               "--seeds", "0", "--arms", "llama", *where]
+    command = [*TINY_UPTRAIN, "--arms", "llama", *where]
     cli.main(command)
     files = {json.loads(path.read_text())["identity"]["kind"]: path for path in Path(where[1]).glob("*.json")}
     pretrain_record = files["pretrain"].read_bytes()
