@@ -362,3 +362,36 @@ def test_uptrain_long_gives_the_trained_llama_tables_that_start_at_its_loss(wher
         assert start[arm] == pytest.approx(start[("llama", None)], abs=1e-5), arm
     assert abs(end[("none", "alternating")] - end[("llama", None)]) > 1e-5
     assert "| `value_embeddings` |" in open(f"{where[3]}/uptrain_long.md").read()
+
+
+def test_arms_sharing_a_conversion_wait_for_one_another_instead_of_converting_twice(tmp_path, monkeypatch):
+    """λ alone and λ with tables continue the same `learnable-preserve` folder; two processes (here, threads)
+    asking for it at once make it once, and neither converts into a folder the other is writing."""
+    import threading
+    import time
+
+    from benchmarks.studies import uptrain
+    from benchmarks.studies.spec import ContinuedArm
+
+    conversions = []
+
+    def slow_converter(source, destination, **options):
+        conversions.append(destination)
+        time.sleep(0.5)  # the other thread asks meanwhile
+        destination.mkdir()
+        (destination / "config.json").write_text("{}")
+        return type("Report", (), {"summary": lambda self: "converted"})()
+
+    monkeypatch.setattr(uptrain, "convert_llama_checkpoint", slow_converter)
+    llama = tmp_path / "pretrained" / "llama"
+    llama.mkdir(parents=True)
+    arms = [ContinuedArm("learnable-preserve", "learnable", "preserve"),
+            ContinuedArm("learnable-preserve+ve", "learnable", "preserve", value_embeddings="alternating")]
+    folders = []
+    threads = [threading.Thread(target=lambda arm=arm: folders.append(uptrain.converted(arm, llama))) for arm in arms]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert folders == [tmp_path / "pretrained" / "learnable-preserve"] * 2
+    assert len(conversions) == 1

@@ -93,6 +93,11 @@ class Progress:
         print(f"[{self.count}/{self.total} runs] elapsed {elapsed / 60:.0f} min, ETA {eta / 60:.0f} min", flush=True)
 
 
+def provenance(device: torch.device, data_description: str, command: str) -> dict:
+    """What a stored run records besides its identity and result: where it ran, on what text, from which command."""
+    return {"environment": environment_line(device), "data": data_description, "command": command}
+
+
 def train_missing(runs: list[PlannedRun], store: RunStore, device: torch.device, command: str, *,
                   fresh: bool = False) -> int:
     """Train every planned run the store lacks (`fresh`: every planned run again); returns how many were trained."""
@@ -105,7 +110,7 @@ def train_missing(runs: list[PlannedRun], store: RunStore, device: torch.device,
             datasets[data_key] = load_data(run.settings)
         data, description = datasets[data_key]
         result = train_from_scratch(run, data, device)
-        return result, {"environment": environment_line(device), "data": description, "command": command}
+        return result, provenance(device, description, command)
 
     return share_out([run for run in runs if fresh or run.identity not in store], store, train, fresh=fresh)
 

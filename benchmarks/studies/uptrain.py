@@ -13,15 +13,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from filelock import FileLock
 from transformers import LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from resformer_hf import ResFormerForCausalLM, convert_llama_checkpoint
 
-from benchmarks.common import BASELINE, environment_line
+from benchmarks.common import BASELINE
 from benchmarks.studies.data import Data, batch_order
 from benchmarks.studies.plan import PlannedRun
-from benchmarks.studies.runner import load_data, share_out
+from benchmarks.studies.runner import load_data, provenance, share_out
 from benchmarks.studies.spec import ContinuedArm
 from benchmarks.studies.store import RunStore, digest
 from benchmarks.studies.training import Budget, ModelSize, lambda_parameters, seeded_model, train
@@ -58,8 +59,8 @@ def pretrain_llama(run: PlannedRun, store: RunStore, data: Data, work_dir: Path,
     if record is not None and checkpoint_folder(work_dir, record["result"]) == checkpoint.parent:  # the same curve
         print("pre-trained again: the stored validation curve, reproduced exactly; its record is kept", flush=True)
         return checkpoint
-    provenance = {"environment": environment_line(device), "data": description, "command": command}
-    store.put(run.identity, result, provenance, replace=record is not None)  # the continuations start from this one
+    # the continuations start from this one
+    store.put(run.identity, result, provenance(device, description, command), replace=record is not None)
     return checkpoint
 
 
@@ -69,14 +70,17 @@ def checkpoint_folder(work_dir: Path, result: dict) -> Path:
 
 
 def converted(arm: ContinuedArm, llama: Path) -> Path:
-    """The arm's converted checkpoint, made once (beside the Llama) with the real converter."""
+    """The arm's converted checkpoint, made once (beside the Llama) with the real converter. Arms share conversions
+    (λ alone and λ with tables both continue `learnable-preserve`), so a process beside this one may be making it:
+    the lock makes this one wait for that folder instead of converting into it too."""
     if arm.variant in (BASELINE, "none"):  # "none": the Llama's own weights, loaded as a ResFormer (tables only)
         return llama
     destination = llama.parent / f"{arm.variant}-{arm.init}"
-    if not (destination / "config.json").is_file():
-        report = convert_llama_checkpoint(llama, destination, variant=arm.variant, init=arm.init,
-                                          verify=arm.init == "preserve", progress=False)
-        print(report.summary(), flush=True)
+    with FileLock(llama.parent / f".{destination.name}.converting"):
+        if not (destination / "config.json").is_file():
+            report = convert_llama_checkpoint(llama, destination, variant=arm.variant, init=arm.init,
+                                              verify=arm.init == "preserve", progress=False)
+            print(report.summary(), flush=True)
     return destination
 
 
@@ -146,6 +150,6 @@ def train_missing_continuations(runs: list[PlannedRun], store: RunStore, device,
 
     def train(run: PlannedRun) -> tuple[dict, dict]:
         result = continue_arm(run, cont, converted(run.arm, llama), device)
-        return result, {"environment": environment_line(device), "data": description, "command": command}
+        return result, provenance(device, description, command)
 
     return share_out(todo, store, train, fresh=fresh)
