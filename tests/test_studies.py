@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -218,12 +220,40 @@ def test_a_run_another_live_process_holds_is_refused_until_it_ends_however_it_en
             assert other
         holder.kill()  # killed mid-training: its hold ends with it, and the next process trains the run
         holder.wait(timeout=30)
+        assert [p.name for p in tmp_path.iterdir()] == [f".{digest(IDENTITY)}.training"]  # the killed one's, left
         with store.claim(IDENTITY, wait=True) as claimed:
             assert claimed
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    assert [p.name for p in tmp_path.iterdir()] == [f".{digest(IDENTITY)}.training"]  # the killed one's, left
+    assert list(tmp_path.iterdir()) == []  # and gone with the next holder
+
+
+def test_a_process_that_waited_for_a_claim_holds_it_alone(tmp_path):
+    """A process waiting for a run's claim has the file open that the holder removes when it lets go: it must not
+    hold that removed file while a newcomer locks a new one at the same name (two holders, one run trained twice
+    when the first holder failed before storing it)."""
+    store, holding, done = RunStore(tmp_path), threading.Event(), threading.Event()
+
+    def waiter():  # a second process would do the same; a thread opens its own file description, locked apart
+        with store.claim(IDENTITY, wait=True) as claimed:
+            assert claimed
+            holding.set()
+            done.wait(timeout=30)
+
+    with store.claim(IDENTITY) as claimed:
+        assert claimed
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        time.sleep(0.5)  # the waiter has opened the file and is blocked on it
+    try:
+        assert holding.wait(timeout=30)
+        with store.claim(IDENTITY) as newcomer:
+            assert not newcomer
+    finally:
+        done.set()
+        thread.join(timeout=30)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- identities: what determines a run, and nothing else -----------------------------------------------------------

@@ -154,8 +154,10 @@ def test_uptrain_continuations_are_shared_out_between_processes_too(where, tmp_p
 
     monkeypatch.setattr(uptrain, "continue_arm", recording)
     cli.main([*argv, "--store", str(tmp_path / "alone"), "--out", str(tmp_path / "alone-out")])
-    held = RunStore(tmp_path / "alone").record(continued[-1])  # the last continuation this process would train
-    with held_by_another_process(where[1], held, 2):  # stored once the pre-training and the Llama's are
+    # the first continuation this process would train, held until the pre-training and the other continuation are
+    # stored: this process has been refused it by then, whatever the machine's load
+    held = RunStore(tmp_path / "alone").record(continued[0])
+    with held_by_another_process(where[1], held, 2):
         continued.clear()
         cli.main([*argv, *where])
     assert len(continued) == 1 and held["identity"] not in continued

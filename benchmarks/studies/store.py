@@ -76,31 +76,30 @@ class RunStore:
     def claim(self, identity: dict, *, wait: bool = False) -> Iterator[bool]:
         """Hold the run while training it: yields False when another live process holds it (`wait`: block until it
         lets go, then True). The hold is an advisory lock on `.<digest>.training`, so it ends with the process however
-        that ends (a killed run is trained again by the next process that asks); the file is removed by the process
-        that made it. Check the store again once it yields True: the holder may have stored the run meanwhile."""
+        that ends (a killed run is trained again by the next process that asks, which removes the file the killed one
+        left). Check the store again once it yields True: the holder may have stored the run meanwhile."""
         if fcntl is None:
             yield True
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f".{digest(identity)}.training"
-        try:
-            descriptor, made_it = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL), True
-        except FileExistsError:
-            descriptor, made_it = os.open(path, os.O_RDWR | os.O_CREAT), False
-        try:
+        while True:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT)
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
             except BlockingIOError:
+                os.close(descriptor)
                 yield False
                 return
+            if _names(path, descriptor):
+                break
+            os.close(descriptor)  # the holder we waited for removed this file: lock the one at `path` now
+        try:
             os.ftruncate(descriptor, 0)
             os.write(descriptor, f"{os.getpid()}\n".encode())  # who holds it, for a person looking
-            try:
-                yield True
-            finally:
-                if made_it:
-                    path.unlink(missing_ok=True)  # before letting go, so no later process locks a file being removed
+            yield True
         finally:
+            path.unlink(missing_ok=True)  # before letting go: a process waiting on this file sees it gone, opens anew
             os.close(descriptor)
 
     def __contains__(self, identity: dict) -> bool:
@@ -130,3 +129,13 @@ class RunStore:
             return True
         finally:
             staging.unlink(missing_ok=True)
+
+
+def _names(path: Path, descriptor: int) -> bool:
+    """Whether `path` still names the open file `descriptor` (not removed or replaced since it was opened)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(descriptor)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
