@@ -96,6 +96,7 @@ def plot(store: CellRuns, arms: list[str], seeds: list[int], path: Path) -> None
     grid = [t for t, _ in store[f"llama/seed{seeds[0]}"]["curve"]]
     tokens = np.array(grid) / 1e6
     base = np.array([interpolate_curve(store[f"llama/seed{s}"]["curve"], grid) for s in seeds])
+    spread = [0.0]  # the paired differences' mean ± std, so the middle panel is scaled to them
     for index, arm in enumerate(arms):
         color = "black" if arm == "llama" else f"C{index}"
         runs = [store[f"{arm}/seed{s}"] for s in seeds]
@@ -105,6 +106,8 @@ def plot(store: CellRuns, arms: list[str], seeds: list[int], path: Path) -> None
             std = values.std(axis=0, ddof=1) if len(seeds) > 1 else np.zeros_like(mean)
             axes.plot(tokens, mean, color=color, label=arm)
             axes.fill_between(tokens, mean - std, mean + std, color=color, alpha=0.15, lw=0)
+            if axes is middle:
+                spread += [float((mean - std).min()), float((mean + std).max())]
         if runs[0]["probes"][0] is not None:
             first = np.mean([[np.mean(np.array(p["table"])[1:, 0]) for p in r["probes"]] for r in runs], axis=0)
             right.plot(tokens, first, color=color, label=arm)
@@ -114,6 +117,8 @@ def plot(store: CellRuns, arms: list[str], seeds: list[int], path: Path) -> None
     middle.axhline(0, color="grey", lw=1)
     middle.set(xlabel="continuation tokens (M)", ylabel="val loss − continued Llama (same seed)",
                title="Paired difference to the continued Llama")
-    middle.set_ylim(-0.15, 0.3)
+    low, high = min(spread), max(spread)  # a paper-init start (+0.09) shows whole; a 0.01 gain is not flattened
+    margin = 0.1 * (high - low) or 0.01
+    middle.set_ylim(max(low - margin, -0.15), min(high + margin, 0.3))
     right.set(xlabel="continuation tokens (M)", ylabel="mean λ_first over layers 1..L−1", title="λ_first")
     save(plt, figure, (left, middle, right), path)
