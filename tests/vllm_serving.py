@@ -131,6 +131,53 @@ def probe_model(model) -> dict:
     )
 
 
+def fusions(model) -> list[dict]:
+    """Runs in the vLLM worker: what vLLM's fusers made of each decoder layer, as the names of the merged modules
+    it holds (`qkv_proj`: q/k/v in one `QKVParallelLinear`; `gate_up_proj`: the MLP's two in one GEMM; a norm
+    swapped for vLLM's `RMSNorm`)."""
+    rows = []
+    for layer in model.model.layers:
+        rows.append(dict(
+            attention=sorted(name for name, child in layer.self_attn.named_children() if "proj" in name),
+            mlp=sorted(name for name, child in layer.mlp.named_children()),
+            norms={name: type(child).__module__.startswith("vllm") for name, child in layer.named_children()
+                   if "norm" in name},
+        ))
+    return rows
+
+
+def count_ops(model) -> None:
+    """Runs in the vLLM worker (`LLM.apply_model`): from now on, count the ops of each forward pass of `model`, one
+    dict a pass: aten ops (views excluded) and vLLM's custom ops, as `tests/test_kernel_budgets.py` counts them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                name = str(func.overloadpacket).removeprefix("aten.")
+                self.ops[name] = self.ops.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    forward, model.op_counts = model.forward, []
+
+    def counted(*args, **kwargs):
+        with Count() as count:
+            output = forward(*args, **kwargs)
+        model.op_counts.append(count.ops)
+        return output
+
+    model.forward = counted
+
+
+def counted_ops(model) -> list[dict]:
+    """Runs in the vLLM worker: the op counts of every forward pass since `count_ops`."""
+    return model.op_counts
+
+
 def main(job_path: str, out_path: str) -> None:
     """Job: {"import_plugin": bool, "in_process"?: bool (default true), "runs": [{"name", "folder", "prompts":
     [[token ids]], "max_tokens", "repeats"?, "engine_args"?}]}. For each run: one engine, greedy generation of every
@@ -153,6 +200,8 @@ def main(job_path: str, out_path: str) -> None:
         llm = LLM(model=run["folder"], **{**ENGINE_ARGS, **in_process, **job.get("engine_args", {}),
                                           **run.get("engine_args", {})})
         loaded = time.perf_counter()
+        if run.get("count_ops"):
+            llm.apply_model(vllm_serving.count_ops)
         params = SamplingParams(temperature=0.0, max_tokens=run["max_tokens"], ignore_eos=True)
         prompts = [{"prompt_token_ids": ids} for ids in run["prompts"]]
         seconds = []
@@ -167,6 +216,8 @@ def main(job_path: str, out_path: str) -> None:
             block_size=cache.block_size,
             kv_cache_bytes=job.get("engine_args", {}).get("kv_cache_memory_bytes", KV_CACHE_BYTES),
             probe=llm.apply_model(vllm_serving.probe_model)[0],
+            fusions=llm.apply_model(vllm_serving.fusions)[0],
+            op_counts=llm.apply_model(vllm_serving.counted_ops)[0] if run.get("count_ops") else None,
             load_seconds=loaded - start,
             generate_seconds=seconds,
         )
