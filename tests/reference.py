@@ -148,9 +148,11 @@ def reference_logits(config, state: dict[str, torch.Tensor], input_ids: torch.Te
 
 
 def gated_values(state, p: str, h, initial_mix: float, first, own) -> torch.Tensor:
-    """`(1 − g)·V_n + g·V_0` with `g = g0 − 1/2 + σ(h W_gᵀ + b_g)`: one mix per token and kv head, from the layer's
-    normalised input h [B, T, hidden]; V_0 and V_n are [B, H_kv, T, D]."""
-    logits = h @ state[p + "self_attn.value_gate.weight"].T + state[p + "self_attn.value_gate.bias"]  # [B, T, H_kv]
+    """`(1 − g)·V_n + g·V_0` with `g = g0 − 1/2 + σ(h[..., :12] W_gᵀ + b_g)`: one mix per token and kv head, from the
+    first 12 channels of the layer's normalised input h [B, T, hidden] (nanochat's gate input); V_0 and V_n are
+    [B, H_kv, T, D]."""
+    weight = state[p + "self_attn.value_gate.weight"]
+    logits = h[..., :12] @ weight.T + state[p + "self_attn.value_gate.bias"]  # [B, T, H_kv]
     g = (initial_mix - 0.5 + 1.0 / (1.0 + torch.exp(-logits))).transpose(1, 2).unsqueeze(-1)  # [B, H_kv, T, 1]
     return (1 - g) * own + g * first
 

@@ -41,7 +41,9 @@ def _greedy() -> GenerationConfig:
 
 
 def generate_one_by_one(model, prompts: list[list[int]]) -> list[list[int]]:
-    """The reference: `generate()` on each prompt alone (no padding)."""
+    """The reference: `generate()` on each prompt alone (no padding). Without the model's own EOS: `generate()` takes
+    the model's value for an EOS the generation config leaves unset, continuous batching does not."""
+    model.generation_config.eos_token_id = None
     return [model.generate(torch.tensor([p]), generation_config=_greedy())[0, len(p):].tolist() for p in prompts]
 
 

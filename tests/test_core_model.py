@@ -259,7 +259,7 @@ def test_lambdas_stay_float32_when_loading_in_bfloat16(tmp_path):
 @pytest.mark.parametrize("variant", ["learnable_plus", "constant", "neutreno"])
 def test_the_bf16_tolerance_catches_a_wrong_lambda_first(tmp_path, monkeypatch, variant):
     """Regression for the tolerance itself: λ_first × 0.7 in the bf16 pass (no gradient) must fail the bf16 check."""
-    from resformer_hf.remote_code.value_residual import ValueResidual
+    from resformer_hf.remote_code.lambdas import ValueResidual
 
     per_layer = ValueResidual.per_layer
     model = randomised_model(variant)

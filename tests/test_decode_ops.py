@@ -17,7 +17,7 @@ from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 from resformer_hf.remote_code._compat import with_cache
 from resformer_hf.remote_code.cache_resformer import share_first_layer_values
 from resformer_hf.remote_code.configuration_resformer import CORRECT, GATE, MIX_ALL, REUSE, VARIANTS
-from resformer_hf.remote_code.value_residual import BATCHED_SCALING_MAX_TOKENS
+from resformer_hf.remote_code.lambdas import BATCHED_SCALING_MAX_TOKENS
 
 from helpers import NON_DEFAULT, decode_logits, llama_config_like, model_with_random_lambdas, tiny_config
 from reference import reference_logits

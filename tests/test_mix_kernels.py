@@ -1,5 +1,5 @@
 """The Triton mix kernels (`remote_code/mix_kernels.py`) against float32 arithmetic and against the torch ops of
-`_ProjectAndMix` they replace on CUDA, run on the CPU by Triton's interpreter (`TRITON_INTERPRET=1`).
+`_MixOwnValues` they replace on CUDA, run on the CPU by Triton's interpreter (`TRITON_INTERPRET=1`).
 
 Sizes are not multiples of the kernels' block, so a wrong mask or a block that is never written shows; λ are views of
 one table with a storage offset, as `ValueResidual.per_layer` hands them to each layer.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from resformer_hf.remote_code import mix_kernels, value_residual
-from resformer_hf.remote_code.value_residual import _ProjectAndMix
+from resformer_hf.remote_code.value_residual import _MixOwnValues, token_major
 
 pytest.importorskip("triton")
 
@@ -53,8 +53,8 @@ def test_forward_mix_is_the_float32_mix_rounded_to_bf16(interpreted, shape):
     own, first = values(*shape), values(*shape, seed=1)
     lambda_first, lambda_self = lambda_pair()
     expected = own.float() * lambda_self.float() + first.float() * lambda_first.float()
-    mixed = mix_kernels.mix_in_place(own.clone(), first, lambda_first, lambda_self)
-    assert within_one_rounding(mixed, expected)
+    mixed = mix_kernels.mix(own, first, lambda_first, lambda_self)
+    assert within_one_rounding(mixed, expected) and not own.equal(mixed)
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (37, 300)])
@@ -69,8 +69,8 @@ def test_backward_gives_both_scaled_gradients_and_lambda_firsts_dot(interpreted,
     assert abs(dot.double() - expected_dot) <= abs(expected_dot) * ROUNDING + 1e-3 * shape[0] * shape[1] ** 0.5
 
 
-def test_project_and_mix_through_the_kernels_matches_the_torch_ops(interpreted, monkeypatch):
-    """The whole fused op, forward and every gradient (h, W, V_0, both λ), in bf16 with the kernels and with the torch
+def test_the_mix_through_the_kernels_matches_the_torch_ops(interpreted, monkeypatch):
+    """v_proj and the mix, forward and every gradient (h, W, V_0, both λ), in bf16 with the kernels and with the torch
     ops, each against the torch ops in float64: the kernels' error at most the torch ops' (which round twice in the
     forward), both at bf16's."""
     f64 = dict(dtype=torch.float64)
@@ -84,7 +84,9 @@ def test_project_and_mix_through_the_kernels_matches_the_torch_ops(interpreted, 
         flat = leaves["table"].reshape(-1).unbind()
         # V_0 as layer 0 hands it on: [B, H_kv, T, D], a view of token-major storage
         first = leaves["first"].transpose(1, 2).reshape(14, 16).view(2, 7, 2, 8).transpose(1, 2)
-        mixed = _ProjectAndMix.apply(leaves["hidden"], leaves["weight"], None, first, flat[1], flat[3])
+        own = torch.nn.functional.linear(leaves["hidden"], leaves["weight"])  # v_proj, as the attention calls it
+        projection = (leaves["hidden"], leaves["weight"], None)
+        mixed = _MixOwnValues.apply(own, token_major(first), flat[1], flat[3], *projection)
         return (mixed, *torch.autograd.grad(mixed, tuple(leaves.values()), upstream.to(dtype)))
 
     kernels = run(torch.bfloat16)
@@ -149,8 +151,8 @@ def test_kernels_that_disagree_with_torch_on_a_device_are_not_used(interpreted, 
     mix_kernels._working.cache_clear()
     assert mix_kernels._working(torch.device("cpu"), torch.bfloat16)
     mix_kernels._working.cache_clear()
-    real = mix_kernels.mix_in_place  # built wrong: λ_first and λ_self swapped
-    monkeypatch.setattr(mix_kernels, "mix_in_place", lambda own, first, lf, ls: real(own, first, ls, lf))
+    real = mix_kernels.mix  # built wrong: λ_first and λ_self swapped
+    monkeypatch.setattr(mix_kernels, "mix", lambda own, first, lf, ls: real(own, first, ls, lf))
     assert not mix_kernels._working(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(mix_kernels, "mix_backward", lambda *args: 1 / 0)
     mix_kernels._working.cache_clear()

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, default_data_collator
 
 from resformer_hf import LAMBDA_MODULES, ResFormerForCausalLM, register_peft_target_modules
-from resformer_hf.remote_code.value_residual import ValueResidual
+from resformer_hf.remote_code.lambdas import ValueResidual
 
 from helpers import build_model, example_data, llama_pair, run_fresh_python, step_losses, training_arguments
 

@@ -121,11 +121,66 @@ def engine_job(served: dict, names, *, import_plugin: bool) -> dict:
 
 
 def assert_same_tokens(served: dict, results: dict, names) -> None:
-    """vLLM's tokens equal `generate()`'s, every prompt, every token."""
+    """vLLM's tokens equal `generate()`'s, every prompt, every token; and vLLM fused every layer it serves as it fuses
+    a Llama's (`assert_fused_like_llama`)."""
     for name in names:
         got, expected = results[name]["tokens"], served["references"][name]
         mismatches = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
         assert len(got) == len(expected) and not mismatches, (name, mismatches, got, expected)
+        assert_fused_like_llama(name, results[name]["fusions"], served["folders"][name])
+
+
+def assert_fused_like_llama(name: str, fusions: list[dict], folder: Path) -> None:
+    """Each decoder layer as vLLM served it: q, k and v as one `qkv_proj` GEMM (a layer without v_proj: q and k as
+    one merged GEMM; a cross-layer-attention consumer has q alone), gate and up as one `gate_up_proj`, every norm
+    vLLM's own, as for a Llama (`tests/vllm_serving.py: fusions`)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    without_values = set(config.get("layers_without_value_projection") or ())  # not serialised: derived below
+    if config.get("value_residual") == "svformer":
+        without_values = set(range(1, config["num_hidden_layers"]))
+    group = config.get("cross_layer_attention") or 1
+    for index, layer in enumerate(fusions):
+        attention = layer["attention"]
+        if index % group:  # a consumer: its q alone
+            expected = ["o_proj", "q_proj"]
+        elif index in without_values:
+            expected = ["merged_proj_6_q_proj_6_k_proj", "o_proj"]
+        else:
+            expected = ["o_proj", "qkv_proj"]
+        assert sorted(attention) == expected, (name, index, attention)
+        assert layer["mlp"] == ["act_fn", "down_proj", "gate_up_proj"], (name, index, layer["mlp"])
+        assert layer["norms"] and all(layer["norms"].values()), (name, index, layer["norms"])
+
+
+def test_vllms_fusers_take_every_layer_as_they_take_a_llamas():
+    """vLLM's Transformers backend fuses what its fusers can read in a module's forward (`get_fusers`, cached by
+    class): every attention layer of every variant and option gets the QKV fusion a Llama's gets (a layer without
+    v_proj, q and k merged), every MLP the gate/up fusion, every norm vLLM's RMSNorm. Asked directly of vLLM's own
+    fuser on tiny models, no engine: it fails the moment the attention forward hides a projection from it."""
+    from vllm.model_executor.models.transformers.fuser import get_fusers
+
+    def fusers(model) -> dict[str, list[str]]:
+        return {name: [type(fuser).__name__ for fuser in get_fusers(module)] for name, module in model.named_modules()
+                if name.endswith(("self_attn", "mlp", "layernorm"))}
+
+    shape = dict(TINY, hidden_size=64, head_dim=16)
+    llama = fusers(LlamaForCausalLM(LlamaConfig(**shape)))
+    assert {name: found[0] for name, found in llama.items()} == {
+        name: "QKVFuser" if name.endswith("self_attn") else "GLUFuser" if name.endswith("mlp") else "RMSNormFuser"
+        for name in llama}
+    models = {**{variant: dict(value_residual=variant) for variant in VARIANTS}, **CLA,
+              "value_embeddings": dict(value_residual="learnable_plus", value_embeddings="alternating")}
+    for name, fields in models.items():
+        found = fusers(model_with_random_lambdas(ResFormerConfig(**shape, **fields)))
+        config = ResFormerConfig(**shape, **fields)
+        for module, kinds in found.items():
+            layer = int(module.split(".")[2])
+            if module.endswith("self_attn") and layer in config.layers_reading_shared_keys_values:
+                assert "QKVFuser" not in kinds, (name, module, kinds)  # q alone: nothing to fuse
+            elif module.endswith("self_attn") and layer in config.layers_without_value_projection:
+                assert kinds[0] == "MergedColumnParallelFuser", (name, module, kinds)
+            else:
+                assert kinds[0] == llama[module][0], (name, module, kinds)
 
 
 def test_references_depend_on_lambda(served):
@@ -163,10 +218,13 @@ def test_offline_with_plugin(served, tmp_path):
         assert len(probe["attention_layers"]) == layers
         assert all(layer["num_kv_heads"] == TINY["num_key_value_heads"] and layer["head_size"] == 32
                    for layer in probe["attention_layers"]), probe
-    # SVFormer layers n >= 1 have no v_proj in vLLM either: they attend over layer 0's values, kept in one store
+    # SVFormer layers n >= 1 have no v_proj in vLLM either (layer 0's is in its fused qkv_proj): they attend over
+    # layer 0's values, kept in one store
     for name in ("svformer", "converted_svformer"):
         attention = results[name]["probe"]["attention_layers"]
-        assert [layer["has_v_proj"] for layer in attention] == [True] + [False] * (layers - 1)
+        assert not any(layer["has_v_proj"] for layer in attention)
+        assert ["qkv_proj" in layer["attention"] for layer in results[name]["fusions"]] == [True] + [False] * (
+            layers - 1)
         assert {layer["attention_class"] for layer in attention} == {"SharedValuesAttention"}
         assert len({layer["value_store"] for layer in attention}) == 1
     assert {layer["attention_class"] for layer in results["learnable_plus"]["probe"]["attention_layers"]} == {

@@ -20,6 +20,7 @@ from resformer_hf.remote_code.value_residual import (
     ValueGate,
     corrected_output,
     gated_values,
+    hand_on,
     is_plain_linear,
     mixed_values,
 )
@@ -74,7 +75,8 @@ def table_pair(table: torch.Tensor, column: int = 1) -> tuple[torch.Tensor, torc
 
 
 class MixingLayer(nn.Module):
-    """Calls `mixed_values` as layer 2's attention does, so `functional_call` can make W and bias inputs."""
+    """Calls v_proj and `mixed_values` as layer 2's attention does, so `functional_call` can make W and bias inputs.
+    Fixed λ: V_0 scaled once, as layer 0 hands it on (`hand_on`)."""
 
     def __init__(self, kv_heads: int, bias: bool, dtype=torch.float64):
         super().__init__()
@@ -82,8 +84,13 @@ class MixingLayer(nn.Module):
         self.v_proj = nn.Linear(HIDDEN, kv_heads * HEAD_DIM, bias=bias).to(dtype)
 
     def forward(self, hidden, first, weights):
-        lambdas = table_pair(weights) if torch.is_tensor(weights) else weights
-        return mixed_values(self.v_proj, hidden, projected(first, self.kv_heads), *lambdas, None, HEAD_DIM)
+        own = projected(self.v_proj(hidden), self.kv_heads)
+        first = projected(first, self.kv_heads)
+        if torch.is_tensor(weights) or isinstance(weights[0], torch.Tensor):
+            lambda_first, lambda_self = table_pair(weights) if torch.is_tensor(weights) else weights
+        else:
+            (lambda_first, lambda_self), first = (None, weights[1]), hand_on(first, weights[0])
+        return mixed_values(own, first, lambda_first, lambda_self, 0, self.v_proj, hidden)
 
 
 def mix_first(layer: MixingLayer, params: dict, hidden, first, weights) -> torch.Tensor:
@@ -94,13 +101,15 @@ def mix_first(layer: MixingLayer, params: dict, hidden, first, weights) -> torch
 @pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("learnable", [False, True])
-def test_mixed_values_pass_gradcheck_and_matches_plain_ops(kv_heads, bias, learnable):
+@pytest.mark.parametrize("kept", ["projection", "values"])  # v_proj's h and W, or (a hooked v_proj) V_n
+def test_mixed_values_pass_gradcheck_and_match_plain_ops(kv_heads, bias, learnable, kept):
     layer, params, hidden, first, weights = mixing_case(kv_heads, bias, learnable)
+    if kept == "values":
+        hooked(layer.v_proj)
     names = list(params)
     inputs = [t.requires_grad_() for t in (hidden, first, *params.values(), *([weights] if learnable else []))]
 
     def fused(hidden, first, *rest):
-        assert is_plain_linear(layer.v_proj)
         return mix_first(layer, dict(zip(names, rest)), hidden, first, rest[len(names)] if learnable else weights)
 
     assert gradcheck(fused, inputs)
@@ -125,24 +134,40 @@ def run_mix(layer: MixingLayer, params, hidden, first, weights, learnable: bool)
     return [out.float()] + [t.grad.float() for t in leaves] + ([lambdas.grad[:, 1]] if learnable else [])
 
 
-@pytest.mark.parametrize("learnable", [False, True])
-def test_hooked_v_proj_takes_the_plain_path_with_the_same_values_and_gradients(learnable):
-    layer, params, hidden, first, weights = mixing_case(2, True, learnable)
-    fused = run_mix(layer, params, hidden, first, weights, learnable)
+def test_the_mix_computes_v_projs_gradients_itself_where_it_keeps_its_input():
+    """Kept projection: v_proj's own backward gets no gradient and runs no GEMM (the mix's backward computes h's and
+    W's gradients, λ_self's scale on them); its gradients are still exactly v_proj's."""
+    layer, params, hidden, first, weights = mixing_case(2, True, True)
+    ops = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, first, *params.values())]
+    out = mix_first(layer, dict(zip(params, leaves[2:])), leaves[0], leaves[1], weights.requires_grad_())
+    with Ops():
+        (out * torch.linspace(-1, 1, out.numel(), **F64).view(out.shape)).sum().backward()
+    assert ops.count("mm") == 2, ops  # dV'ᵀh (W's gradient and λ_self's) and dV'·W (h's): none from v_proj itself
     hooked(layer.v_proj)
-    plain = run_mix(layer, params, hidden, first, weights, learnable)
-    for fused_value, plain_value in zip(fused, plain):
-        assert torch.allclose(fused_value, plain_value, atol=1e-12)
+    plain = run_mix(layer, params, hidden, first, weights.detach(), learnable=True)
+    for leaf, expected in zip(leaves, plain[1:]):
+        assert torch.allclose(leaf.grad.float(), expected, atol=1e-6)
 
 
-def test_fused_mix_saves_only_what_the_projections_and_layer_zero_keep():
-    """The fused path saves h, W and V_0 (all kept by q/k_proj and layer 0); plain ops also keep V_n."""
-    layer, _, hidden, first, weights = mixing_case(2, False, True)
-    hidden, first, lambdas = hidden.requires_grad_(), first.requires_grad_(), weights.requires_grad_()
-    kept = {t.untyped_storage().data_ptr() for t in (hidden, first, layer.v_proj.weight, lambdas)}
+@pytest.mark.parametrize("learnable", [False, True])
+def test_the_mix_saves_only_what_the_projections_and_layer_zero_keep(learnable):
+    """With v_proj's h and W kept anyway, the mix saves h, W and V_0 (kept by the projections and layer 0); where
+    v_proj reads another copy of h (here: a hook; autocast), it keeps the raw V_n λ_self's gradient needs."""
+    layer, _, hidden, first, weights = mixing_case(2, False, learnable)
+    hidden, first = hidden.requires_grad_(), first.requires_grad_()
+    lambdas = weights.requires_grad_() if learnable else weights
+    kept = {t.untyped_storage().data_ptr() for t in (hidden, first, layer.v_proj.weight,
+                                                     *([lambdas] if learnable else []))}
     assert saved_storages(layer, hidden, first, lambdas) <= kept
     hooked(layer.v_proj)
-    assert len(saved_storages(layer, hidden, first, lambdas) - kept) == 1  # the raw V_n λ_self's gradient needs
+    assert len(saved_storages(layer, hidden, first, lambdas) - kept) == (1 if learnable else 0)
 
 
 def test_bfloat16_mix_gradients_stay_close_to_float32():
@@ -161,41 +186,53 @@ def test_bfloat16_mix_gradients_stay_close_to_float32():
         assert fused < 2e-2 and fused <= 2 * plain + 2e-3, errors
 
 
-def test_fused_mix_under_bf16_autocast_matches_the_plain_path():
-    """Trainer(bf16=True) on CPU trains under autocast: the fused path computes in autocast's dtype like F.linear."""
+@pytest.mark.parametrize("learnable", [False, True])
+def test_the_mix_under_bf16_autocast_matches_plain_ops(learnable):
+    """Trainer(bf16=True) on CPU trains under autocast: v_proj reads a cast of h, the mix keeps V_n."""
     results = []
-    for path in ("fused", "plain"):
-        layer, params, hidden, first, weights = mixing_case(2, True, True, dtype=torch.float32)
+    for path in ("mix", "plain"):
+        layer, params, hidden, first, weights = mixing_case(2, True, learnable, dtype=torch.float32)
         if path == "plain":
             hooked(layer.v_proj)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            results.append(run_mix(layer, params, hidden, first.bfloat16(), weights, learnable=True))
+            if path == "plain":  # the mix as plain autograd ops
+                layer.forward = lambda h, f, w, layer=layer: _plain_mix(layer, h, f, w)
+            results.append(run_mix(layer, params, hidden, first.bfloat16(), weights, learnable=learnable))
     for fused, plain in zip(*results):
         assert torch.allclose(fused, plain, rtol=2e-2, atol=2e-2)
 
 
-# ---- gated: V_n + g·(V_0 − V_n), g = shift + σ(W_g h + b_g) per token and kv head ---------------------------------
+def _plain_mix(layer: MixingLayer, hidden, first, weights):
+    own = projected(layer.v_proj(hidden), layer.kv_heads)
+    lambda_first, lambda_self = table_pair(weights) if torch.is_tensor(weights) else weights
+    return lambda_first * projected(first, layer.kv_heads) + lambda_self * own
+
+
+# ---- gated: V_n + g·(V_0 − V_n), g = shift + σ(W_g x̂[..., :12] + b_g) per token and kv head -----------------------
+
+GATE_HIDDEN = 16  # wider than the gate's 12 channels, so that the slice is exercised
 
 
 class GatingLayer(nn.Module):
-    """Calls `gated_values` as a gated layer does, so `functional_call` can make W, W_g inputs."""
+    """Calls v_proj and `gated_values` as a gated layer does, so `functional_call` can make W, W_g inputs."""
 
     def __init__(self, kv_heads: int, bias: bool, shift: float, dtype=torch.float64):
         super().__init__()
         self.kv_heads, self.shift = kv_heads, shift
-        self.v_proj = nn.Linear(HIDDEN, kv_heads * HEAD_DIM, bias=bias).to(dtype)
-        self.value_gate = ValueGate(HIDDEN, kv_heads).to(dtype)
+        self.v_proj = nn.Linear(GATE_HIDDEN, kv_heads * HEAD_DIM, bias=bias).to(dtype)
+        self.value_gate = ValueGate(GATE_HIDDEN, kv_heads).to(dtype)
 
     def forward(self, hidden, first):
-        return gated_values(self.v_proj, self.value_gate, hidden, projected(first, self.kv_heads), self.shift,
-                            HEAD_DIM)
+        own = projected(self.v_proj(hidden), self.kv_heads)
+        return gated_values(own, projected(first, self.kv_heads), self.value_gate, hidden, self.shift,
+                            self.value_gate.in_features, self.v_proj)
 
 
 def gating_case(kv_heads: int, bias: bool, shift: float, dtype=torch.float64, seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     layer = GatingLayer(kv_heads, bias, shift, dtype)
     params = {name: torch.randn(p.shape, generator=generator).to(dtype) for name, p in layer.named_parameters()}
-    hidden = torch.randn(BATCH, LENGTH, HIDDEN, generator=generator).to(dtype)
+    hidden = torch.randn(BATCH, LENGTH, GATE_HIDDEN, generator=generator).to(dtype)
     first = torch.randn(BATCH, LENGTH, kv_heads * HEAD_DIM, generator=generator).to(dtype)
     return layer, params, hidden, first
 
@@ -211,55 +248,55 @@ def run_gate(layer: GatingLayer, params: dict, hidden, first) -> list[torch.Tens
 @pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shift", [0.0, -0.5])  # started at the identity's 0.5, or at 0 (`--init preserve`)
-def test_gated_values_pass_gradcheck_and_matches_the_equation(kv_heads, bias, shift):
+@pytest.mark.parametrize("kept", ["projection", "values"])
+def test_gated_values_pass_gradcheck_and_match_the_equation(kv_heads, bias, shift, kept):
     layer, params, hidden, first = gating_case(kv_heads, bias, shift)
+    if kept == "values":
+        hooked(layer.v_proj)
     names = list(params)
 
     def fused(hidden, first, *weights):
-        assert is_plain_linear(layer.v_proj) and is_plain_linear(layer.value_gate, ValueGate)
         return functional_call(layer, dict(zip(names, weights)), (hidden, first))
 
     inputs = [t.requires_grad_() for t in (hidden, first, *params.values())]
     assert gradcheck(fused, inputs)
     weights = dict(zip(names, params.values()))
     own = projected(torch.nn.functional.linear(hidden, weights["v_proj.weight"], weights.get("v_proj.bias")), kv_heads)
-    gate = shift + torch.sigmoid(hidden @ weights["value_gate.weight"].T + weights["value_gate.bias"])
-    gate = gate.transpose(1, 2).unsqueeze(-1)  # [B, H_kv, T, 1]
+    logits = hidden[..., :12] @ weights["value_gate.weight"].T + weights["value_gate.bias"]  # the first 12 channels
+    gate = (shift + torch.sigmoid(logits)).transpose(1, 2).unsqueeze(-1)  # [B, H_kv, T, 1]
     expected = (1 - gate) * own + gate * projected(first, kv_heads)
     assert torch.allclose(fused(*inputs), expected, atol=1e-12)
 
 
-def test_hooked_projections_take_the_plain_gated_path_with_the_same_values_and_gradients():
-    fused = run_gate(*gating_case(2, True, -0.5))
-    for hooked_module in ("v_proj", "value_gate"):
-        layer, params, hidden, first = gating_case(2, True, -0.5)
-        getattr(layer, hooked_module).register_forward_hook(lambda module, args, output: output)
-        plain = run_gate(layer, params, hidden, first)
-        for fused_value, plain_value in zip(fused, plain):
-            assert torch.allclose(fused_value, plain_value, atol=1e-12), hooked_module
-
-
-def test_fused_gate_saves_only_the_gate_beyond_what_the_projections_and_layer_zero_keep():
-    """Fused: h, W, W_g, V_0 (kept by q/k_proj and layer 0) and σ [B·T, H_kv]; plain ops also keep V_n."""
+def test_the_gate_saves_only_sigma_beyond_what_the_projections_and_layer_zero_keep():
+    """With v_proj's h and W kept anyway: h, W, W_g, V_0 (kept by the projections and layer 0) and σ [B·T, H_kv];
+    where v_proj reads another copy of h, also the raw V_n the gate's gradient needs."""
     layer, _, hidden, first = gating_case(2, False, 0.0)
     hidden, first = hidden.requires_grad_(), first.requires_grad_()
     kept = {t.untyped_storage().data_ptr() for t in (hidden, first, *layer.parameters())}
-    extra = saved_storages(layer, hidden, first) - kept
-    assert len(extra) == 1  # σ, BATCH·LENGTH·H_kv numbers
-    layer.v_proj.register_forward_hook(lambda module, args, output: output)
-    assert len(saved_storages(layer, hidden, first) - kept) >= 2  # σ and the raw V_n the gate's gradient needs
+    assert len(saved_storages(layer, hidden, first) - kept) == 1  # σ, BATCH·LENGTH·H_kv numbers
+    hooked(layer.v_proj)
+    assert len(saved_storages(layer, hidden, first) - kept) == 2  # σ and V_n
 
 
-def test_fused_gate_under_bf16_autocast_matches_the_plain_path():
+def test_the_gate_under_bf16_autocast_matches_plain_ops():
+    """Under autocast v_proj reads a cast of h and the gate keeps V_n: the same values and gradients as the lerp in
+    plain autograd ops."""
     results = []
-    for path in ("fused", "plain"):
+    for path in ("gate", "plain"):
         layer, params, hidden, first = gating_case(2, True, -0.5, dtype=torch.float32, seed=3)
         if path == "plain":
-            layer.v_proj.register_forward_hook(lambda module, args, output: output)
+            layer.forward = lambda h, f, layer=layer: _plain_gate(layer, h, f)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             results.append(run_gate(layer, params, hidden, first.bfloat16()))
     for fused, plain in zip(*results):
         assert torch.allclose(fused, plain, rtol=2e-2, atol=2e-2)
+
+
+def _plain_gate(layer: GatingLayer, hidden, first):
+    own = projected(layer.v_proj(hidden), layer.kv_heads)
+    gate = layer.shift + torch.sigmoid(layer.value_gate(hidden[..., :12]))
+    return torch.lerp(own, projected(first, layer.kv_heads), gate.transpose(1, 2).unsqueeze(-1).to(own.dtype))
 
 
 # ---- dense: every layer's values, one buffer -----------------------------------------------------------------------

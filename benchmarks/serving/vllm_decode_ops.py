@@ -81,6 +81,8 @@ def layer_fusions(fusions: list[dict]) -> dict[str, int]:
     """How many layers got each fusion."""
     return {
         "qkv": sum("qkv_proj" in layer["attention"] for layer in fusions),
+        # a layer without v_proj (SVFormer n >= 1): q and k as one GEMM, vLLM's `MergedColumnParallelLinear`
+        "qk": sum(any(name.startswith("merged_proj") for name in layer["attention"]) for layer in fusions),
         "gate_up": sum("gate_up_proj" in layer["mlp"] for layer in fusions),
         "norms": sum(all(layer["norms"].values()) for layer in fusions),
     }
@@ -118,7 +120,8 @@ def report(measured: dict[str, dict]) -> str:
         cells += [f"{totals[label] - llama[label]:+d}" if totals[label] is not None else "—" for label in labels]
         for label in labels:
             fused = measured[label]["models"].get(name, {}).get("fusions")
-            cells.append("—" if fused is None else f"{fused['qkv']}, {fused['gate_up']}, {fused['norms']}")
+            qkv = "—" if fused is None else f"{fused['qkv']}" + (f" (+{fused['qk']} q+k)" if fused.get("qk") else "")
+            cells.append(qkv if fused is None else f"{qkv}, {fused['gate_up']}, {fused['norms']}")
         rows.append(cells)
     layers = SHAPE["num_hidden_layers"]
     notes = [f"- `{label}`: {entry['environment']} Commit {entry['commit']}." for label, entry in measured.items()]
@@ -133,8 +136,8 @@ def report(measured: dict[str, dict]) -> str:
         "each folder's remote code (`model_impl=\"transformers\"`, the plugin hidden), eager, one sequence of "
         f"{PROMPT_TOKENS} prompt tokens; the ops of the first decode step (every later step's are the same). Ops: "
         "aten ops (views excluded) and vLLM's custom ops, counted inside vLLM's model runner; on a GPU each is a "
-        "kernel launch. *Layers fused*: of the "
-        f"{layers} decoder layers, how many have q/k/v as one `QKVParallelLinear`, gate/up as one GEMM, and every "
+        f"kernel launch. *Layers fused*: of the {layers} decoder layers, how many have q/k/v as one "
+        "`QKVParallelLinear` (and, where a layer has no v_proj, q and k as one GEMM), gate/up as one GEMM, and every "
         "norm as vLLM's RMSNorm.",
         "",
         markdown_table(header, rows),

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from resformer_hf.remote_code.configuration_resformer import GATE, VARIANTS
+from resformer_hf.remote_code.value_embeddings import GATE_CHANNELS
+
 from benchmarks.common import BASELINE
 from benchmarks.studies.corpora import corpus_folder
 from benchmarks.studies.spec import Arm, Continuation, ContinuedArm, ImpossibleSettings, Settings, Study
@@ -58,9 +61,12 @@ def model_identity(variant: str, size: ModelSize) -> dict:
     cla = size.cross_layer_attention if (size.cross_layer_attention or 1) > 1 else None
     ve = {"value_embeddings": size.value_embeddings if isinstance(size.value_embeddings, str)
           else list(size.value_embeddings)} if size.value_embeddings else {}  # only when set: older runs keep names
+    # gated's gate reads the first channels of its input since issue 66 (all of them before): a model of its own
+    gated = variant in VARIANTS and VARIANTS[variant].role == GATE
+    gate = {"value_gate_channels": min(GATE_CHANNELS, size.hidden_size)} if gated else {}
     return {"variant": variant, "hidden_size": size.hidden_size, "layers": size.layers, "heads": size.heads,
             "kv_heads": size.kv_heads or size.heads, "intermediate_size": size.intermediate,
-            "cross_layer_attention": cla, **ve}
+            "cross_layer_attention": cla, **ve, **gate}
 
 
 def budget_identity(budget: Budget) -> dict:

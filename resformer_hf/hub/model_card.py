@@ -18,7 +18,7 @@ import torch
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..remote_code.configuration_resformer import ResFormerConfig
-from ..remote_code.value_residual import ValueResidual
+from ..remote_code.lambdas import ValueResidual
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -34,7 +34,7 @@ REUSE = "reuse"  # has no v_proj; attends over V_0 itself
 CORRECT = "correct"  # attends over V_n, then adds λ·(V_0 − V_n) to the attention output
 GATE = "gate"  # attends over V_n + g·(V_0 − V_n), g = its gate's mix for each token and kv head
 
-#: How learnable λ are parameterised (see `value_residual.ValueResidual`).
+#: How learnable λ are parameterised (see `lambdas.ValueResidual`).
 FIXED = "fixed"  # constants from the config
 PAIR = "pair"  # one learnable (λ_first, λ_self) per receiving layer
 SOFTMAX = "softmax"  # λ_first = λ_scale·softmax(logits) over receiving layers, learnable λ_self per layer

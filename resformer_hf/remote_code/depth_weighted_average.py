@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .value_residual import ExactBuffers, heads_view, token_major
+from .lambdas import ExactBuffers
+from .value_residual import heads_view, token_major
 
 # ---- one buffer of earlier tensors, one matrix-vector product a layer -----------------------------------------------
 

@@ -3,10 +3,10 @@
 Why: PyTorch runs an elementwise op with a 0-dim *CUDA* operand (each λ is a view of the λ table) in its
 non-vectorised loop (a Python number would take the vectorised one, but reading λ as numbers waits for the GPU): the
 largest share of `learnable_plus`'s extra training time in the GPU kernel profile (`benchmarks/results/gpu/`). These
-read each λ once per program and stream the values in wide blocks: the forward mix in place on v_proj's output, and
+read each λ once per program and stream the values in wide blocks: the forward mix of v_proj's output, and
 the backward's two scaled gradients with λ_first's dot in one pass over dV' and V_0.
 
-Used for contiguous CUDA tensors once checked on the device (`kernels_usable`); `value_residual._ProjectAndMix`'s torch
+Used for contiguous CUDA tensors once checked on the device (`kernels_usable`); `value_residual._MixOwnValues`'s torch
 ops are the reference and every other device's path (`tests/test_mix_kernels.py` holds the kernels to them under
 `TRITON_INTERPRET=1`). Triton is optional (CUDA builds of torch bring it).
 """
@@ -29,7 +29,7 @@ BLOCK = 4096
 
 if triton is not None:
 
-    def _mix_forward(own_ptr, first_ptr, lambda_first_ptr, lambda_self_ptr, n, BLOCK: tl.constexpr):
+    def _mix_forward(own_ptr, first_ptr, lambda_first_ptr, lambda_self_ptr, mixed_ptr, n, BLOCK: tl.constexpr):
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < n
         lambda_first = tl.load(lambda_first_ptr).to(tl.float32)
@@ -37,7 +37,7 @@ if triton is not None:
         own = tl.load(own_ptr + offsets, mask=inside).to(tl.float32)
         first = tl.load(first_ptr + offsets, mask=inside).to(tl.float32)
         mixed = own * lambda_self + first * lambda_first
-        tl.store(own_ptr + offsets, mixed.to(own_ptr.dtype.element_ty), mask=inside)
+        tl.store(mixed_ptr + offsets, mixed.to(mixed_ptr.dtype.element_ty), mask=inside)
 
     def _mix_backward(grad_ptr, first_ptr, lambda_first_ptr, lambda_self_ptr, grad_first_ptr, grad_own_ptr,
                       partial_ptr, n, BLOCK: tl.constexpr):
@@ -81,7 +81,7 @@ def _working(device: torch.device, dtype: torch.dtype) -> bool:
     lambdas = torch.stack((torch.full((), 0.3), torch.full((), 0.8))).to(device, dtype)
     expected = own.float() * lambdas[1].float() + first.float() * lambdas[0].float()
     try:
-        mixed = mix_in_place(own.clone(), first, lambdas[0], lambdas[1])
+        mixed = mix(own, first, lambdas[0], lambdas[1])
         grad_first, grad_own, dot = mix_backward(own, first, lambdas[0], lambdas[1])
     except Exception as error:  # noqa: BLE001 - any failure to build or launch means: use the torch ops
         logger.warning(f"The Triton mix kernels do not run on {device} ({error!r}); the value mix uses torch ops.")
@@ -95,12 +95,11 @@ def _working(device: torch.device, dtype: torch.dtype) -> bool:
     return working
 
 
-def mix_in_place(own: torch.Tensor, first: torch.Tensor, lambda_first: torch.Tensor, lambda_self: torch.Tensor
-         ) -> torch.Tensor:
-    """`own ← λ_self·own + λ_first·first` in place (float32 arithmetic, one rounding), λ 0-dim tensors."""
-    n = own.numel()
-    _kernels()[0][(triton.cdiv(n, BLOCK),)](own, first, lambda_first, lambda_self, n, BLOCK=BLOCK)
-    return own
+def mix(own: torch.Tensor, first: torch.Tensor, lambda_first: torch.Tensor, lambda_self: torch.Tensor) -> torch.Tensor:
+    """`λ_self·own + λ_first·first` (float32 arithmetic, one rounding) in one pass, λ 0-dim tensors."""
+    n, mixed = own.numel(), torch.empty_like(own)
+    _kernels()[0][(triton.cdiv(n, BLOCK),)](own, first, lambda_first, lambda_self, mixed, n, BLOCK=BLOCK)
+    return mixed
 
 
 def mix_backward(grad: torch.Tensor, first: torch.Tensor, lambda_first: torch.Tensor, lambda_self: torch.Tensor

@@ -1,8 +1,7 @@
 """ResFormer models: Llama's decoder with the value residual wired into attention.
 
 Built from Llama's own blocks (MLP, RMSNorm, rotary embedding, attention interface, masks, heads); only the
-attention and the decoder loop change, to carry layer 0's values to later layers. What a layer does with values
-depends on its role, read once in `ResFormerAttention.__init__`; the formulas and the λ are `value_residual.py`'s.
+attention (`attention_resformer.py`) and the decoder loop change, to carry layer 0's values to later layers.
 Copied next to `config.json` for `trust_remote_code`, so it imports only torch, transformers and its sibling files.
 """
 
@@ -21,16 +20,13 @@ from transformers.modeling_layers import (
     GenericForTokenClassification,
 )
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import PreTrainedModel
 from transformers.models.auto import modeling_auto
 from transformers.models.llama.modeling_llama import (
-    LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaRMSNorm,
     LlamaRotaryEmbedding,
-    apply_rotary_pos_emb,
-    eager_attention_forward,
 )
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring
@@ -45,19 +41,14 @@ from ._compat import (
     accepts_cache,
     create_causal_mask,
     generation_cache,
-    is_paged_cache,
     model_output,
     refuse_unread_cache,
-    update_cache,
 )
-from .cache_resformer import (
-    new_dynamic_cache,
-    share_cache_storage,
-    share_key_value_projections,
-    shared_keys_values_queries,
-)
-from .configuration_resformer import CORRECT, GATE, MIX, MIX_ALL, PLAIN, REUSE, ResFormerConfig
-from .depth_weighted_average import DepthWeightedAverage, dense_values
+from .attention_resformer import ResFormerAttention, ResFormerSharedKeysValuesAttention
+from .cache_resformer import new_dynamic_cache, share_cache_storage
+from .configuration_resformer import ResFormerConfig
+from .depth_weighted_average import DepthWeightedAverage
+from .lambdas import ValueResidual
 from .loading import (
     LAMBDA_CHECKPOINT_CONVERSIONS,
     PIPELINE_PARALLEL_UNSUPPORTED,
@@ -68,131 +59,11 @@ from .loading import (
     modules_kept_in_float32,
     register_peft_target_modules,
 )
-from .value_embeddings import VALUE_EMBEDDING_MODULES, add_value_embedding, attach_value_embedding, need_token_ids
-from .value_residual import (
-    ResidualValues,
-    ValueGate,
-    ValueResidual,
-    compute_dtype,
-    corrected_output,
-    gated_values,
-    hand_on,
-    mixed_values,
-)
+from .value_embeddings import VALUE_EMBEDDING_MODULES, need_token_ids
+from .value_residual import ResidualValues, ValueGate, compute_dtype
 
 # Checkpoints from before λ_scale became 1-D hold it as a 0-dim tensor; `from_pretrained` reshapes it on load.
 register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKPOINT_CONVERSIONS, overwrite=True)
-
-
-class ResFormerAttention(LlamaAttention):
-    """Llama's attention, whose values depend on the layer's role in the value residual, read once here as Gemma3n
-    reads `is_kv_shared_layer`: what it receives (`value_role`) and whether later layers read its values."""
-
-    def __init__(self, config: ResFormerConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        receivers = config.value_residual_receivers
-        self.value_role = config.value_residual_layer_roles[layer_idx]  #: PLAIN, MIX, REUSE, GATE, CORRECT, MIX_ALL
-        #: whether later layers read its values (layer 0; `dense`: every layer before the last receiver)
-        self.hands_on_values = layer_idx in config.value_residual_sources and layer_idx < max(receivers, default=0)
-        self.receiver_row = receivers.index(layer_idx) if self.value_role != PLAIN else None
-        self.value_buffer_rows = max(receivers, default=0)  # `dense`: one row per layer up to the last receiver
-        self.keeps_every_layers_values = config.value_residual_spec.keeps_every_layers_values
-        if self.value_role == REUSE:  # SVFormer
-            self.v_proj = None
-        if self.value_role == GATE:
-            self.value_gate = ValueGate(config.hidden_size, config.num_key_value_heads)
-            self.gate_shift = config.value_residual_lambda_first_resolved - 0.5  # g0 − σ(0)
-        share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
-        attach_value_embedding(self, config, layer_idx)  # value embeddings: this layer's table and gate, if it has one
-
-    def forward(
-        self, hidden_states: torch.Tensor, residual_values: ResidualValues | None, lambda_first, lambda_self,
-        position_embeddings: tuple | None = None, attention_mask: torch.Tensor | None = None,
-        cache: Cache | None = None, shared_keys_values: tuple = (None, None), value_embedding_ids=None,
-        **kwargs: Unpack[TransformersKwargs],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, ResidualValues | None, tuple]:
-        """Returns (attention output, attention weights, what later layers read of the values, the (K, V) the next
-        layer attends over with cross-layer attention)."""
-        input_shape = hidden_states.shape[:-1]
-        hidden_shape = (*input_shape, -1, self.head_dim)
-
-        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        # main diff with Llama: the values this layer attends over, and what it hands on (`value_residual.py`)
-        value_states, residual_values = self.values(hidden_states, residual_values, lambda_first, lambda_self)
-        value_states = add_value_embedding(self, value_states, hidden_states, value_embedding_ids)  # value embeddings
-        own_values = value_states  # NeuTRENO's V_n (the cache update below returns every cached token's)
-
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-
-        # With cross-layer attention, the next layer attends over these K and V: in the paged cache the tokens' own,
-        # which it updates the pages with as this layer does; elsewhere the cached ones this update returns.
-        next_keys_values = (key_states, value_states)
-        if cache is not None:
-            key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
-            if not is_paged_cache(cache):
-                next_keys_values = (key_states, value_states)
-
-        implementation = self.config._attn_implementation
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        attn_output, attn_weights = attention_interface(
-            self, query_states, key_states, value_states, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
-        )
-        # Attention returns [B, T, H_q, D] here, [T, H_q·D] in vLLM.
-        if self.value_role == CORRECT:  # main diff with Llama: NeuTRENO's o_proj(A_n V_n + λ(V_0 − V_n))
-            attn_output = corrected_output(attn_output.reshape(*input_shape, -1, self.head_dim), residual_values,
-                                           own_values, self.o_proj, lambda_first, self.num_key_value_groups)
-        else:
-            attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
-        return attn_output, attn_weights, residual_values, next_keys_values
-
-    def values(self, hidden_states: torch.Tensor, residual_values: ResidualValues | None, lambda_first, lambda_self
-               ) -> tuple[torch.Tensor, ResidualValues | None]:
-        """(the values [B, H_kv, T, D] this layer attends over, what it hands on to later layers), by its role."""
-        if self.value_role == REUSE:
-            return residual_values, residual_values
-        if self.value_role == MIX:
-            return mixed_values(self.v_proj, hidden_states, residual_values, lambda_first, lambda_self,
-                                self.receiver_row, self.head_dim), residual_values
-        if self.value_role == GATE:
-            return gated_values(self.v_proj, self.value_gate, hidden_states, residual_values, self.gate_shift,
-                                self.head_dim), residual_values
-        own = self.v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, self.head_dim).transpose(1, 2)
-        if self.keeps_every_layers_values and (self.hands_on_values or self.value_role == MIX_ALL):  # `dense`
-            return dense_values(own, residual_values, lambda_first, self.layer_idx, self.value_buffer_rows,
-                                mix=self.value_role == MIX_ALL, append=self.hands_on_values)
-        if self.hands_on_values:  # layer 0: V_0, or (decoding a learnable mix) λ_first·V_0 for every receiver
-            return own, hand_on(own, lambda_first)
-        return own, residual_values  # a plain layer (or NeuTRENO's V_n)
-
-
-class ResFormerSharedKeysValuesAttention(ResFormerAttention):
-    """A cross-layer-attention consumer (`cross_layer_attention`): no `k_proj` / `v_proj`; its queries attend over the
-    keys and values of the first layer of its group, which the decoder loop hands to it.
-
-    Its forward calls the attention interface itself, as Llama's does: vLLM's Transformers backend finds a model's
-    attention layers by reading that call in each attention class's `forward` source (and tracing it with torch.fx).
-    """
-
-    def forward(self, hidden_states, residual_values, lambda_first, lambda_self, position_embeddings=None,
-                attention_mask=None, cache=None, shared_keys_values=(None, None),
-                value_embedding_ids=None, **kwargs: Unpack[TransformersKwargs]):  # value embeddings: never here
-        input_shape = hidden_states.shape[:-1]
-        query_states = shared_keys_values_queries(self, hidden_states, shared_keys_values, position_embeddings)
-        # Indexed, not unpacked: under torch.fx tracing (vLLM) the pair is one traced value.
-        key_states, value_states = shared_keys_values[0], shared_keys_values[1]
-        if is_paged_cache(cache):  # the producer's K and V of these tokens, through its pages (see `paged_cache.py`)
-            key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
-        implementation = self.config._attn_implementation
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        attn_output, attn_weights = attention_interface(
-            self, query_states, key_states, value_states, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
-        )
-        attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
-        return attn_output, attn_weights, residual_values, shared_keys_values
 
 
 class ResFormerDecoderLayer(GradientCheckpointingLayer):

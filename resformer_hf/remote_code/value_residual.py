@@ -10,9 +10,11 @@
 | `correct` (NeuTRENO) | V_n, then `o_proj(A_n V_n + λ(V_0 − V_n))` | `corrected_output` |
 | `mix_all` (dense) | `Σ_j W[n, j]·V_j` | `depth_weighted_average.dense_values` |
 
-Layer 0 hands its values V_0 on to the receivers (`ResidualValues`). Every λ lives in one module (`ValueResidual`),
-read once per forward pass. A custom autograd function appears only where plain autograd would keep a tensor Llama
-does not (V_n, NeuTRENO's corrected input). Imports only torch, transformers and sibling files (`trust_remote_code`).
+Each function takes the layer's own values `V_n = v_proj(h)` as the attention computed them, Llama's line unchanged
+(vLLM's fuser turns q, k and v into one GEMM). Layer 0 hands its values V_0 on to the receivers (`ResidualValues`);
+every λ lives in one module (`lambdas.ValueResidual`), read once per forward pass. A custom autograd function appears
+only where plain autograd would keep a tensor Llama does not (V_n, NeuTRENO's corrected input). Imports only torch,
+transformers and sibling files (`trust_remote_code`).
 """
 
 from __future__ import annotations
@@ -23,152 +25,13 @@ from torch.nn import functional as F
 from torch.nn.modules import module as _module_globals
 from transformers.models.llama.modeling_llama import repeat_kv
 
-from .configuration_resformer import CORRECT, DENSE, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
-from .loading import gathered_parameters
-from .mix_kernels import kernels_usable, mix_backward, mix_in_place
+from .mix_kernels import kernels_usable, mix, mix_backward
+from .value_embeddings import GATE_CHANNELS
 
 #: What a layer hands on to later layers, passed positionally (reentrant checkpointing propagates its gradient): V_0
 #: [B, H_kv, T, D]; `dense`: its buffer of every earlier layer's values [n, B, H_kv, T, D]; decoding a learnable mix,
 #: each receiver's λ_first·V_0, which layer 0 scales for all receivers in one op and hands on as one tuple.
 ResidualValues = torch.Tensor | tuple[torch.Tensor, ...]
-#: Up to this many tokens without gradient (a decode step, a speculative draft) layer 0 scales V_0 for every receiver
-#: at once; beyond it (prefill) each receiver scales it, holding one scaled copy at a time instead of R.
-BATCHED_SCALING_MAX_TOKENS = 16
-
-# ---- the λ ----------------------------------------------------------------------------------------------------------
-
-
-class ExactBuffers(nn.Module):
-    """A module whose buffers `initial` and `mask` are exact float32 constants, made anew after every `_apply`
-    (`.to()`, `.bfloat16()`, DeepSpeed's casts), which would round them (bf16 holds 0.4 as 0.4004)."""
-
-    def register_exact_buffers(self) -> None:
-        """Non-persistent (like Llama's `inv_freq`), on the default device, as parameters (vLLM: on the CPU)."""
-        initial, mask = self.initial_buffers(torch.get_default_device())
-        self.register_buffer("initial", initial, persistent=False)
-        self.register_buffer("mask", mask, persistent=False)
-
-    def exact_buffers(self) -> dict[str, torch.Tensor]:
-        """The buffers made anew where they are: float32 (float64 in a float64 model)."""
-        dtype = torch.promote_types(self.initial.dtype, torch.float32)
-        fresh = zip(("initial", "mask"), self.initial_buffers(self.initial.device, dtype))
-        return {name: buffer for name, buffer in fresh if buffer is not None}
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self._buffers.update(self.exact_buffers())
-        return self
-
-
-class ValueResidual(ExactBuffers):
-    """Every λ of the model in one module (a softmax couples the layers; optimisers, PEFT and cards find one name).
-    Learnable λ are offsets from the config's initial values: weight decay pulls them toward those values (never
-    toward "no value residual"), and a checkpoint without them loads at exactly those values."""
-
-    def __init__(self, config: ResFormerConfig):
-        super().__init__()
-        config.check_value_residual()  # fields may have been assigned after the config was built
-        self.parameterisation = config.value_residual_spec.lambdas
-        self.receivers = config.value_residual_receivers
-        self.roles = config.value_residual_layer_roles
-        self.num_layers = config.num_hidden_layers
-        self.lambda_first_init = config.value_residual_lambda_first_resolved
-        self.lambda_self_init = config.value_residual_lambda_self_resolved
-        self.lambda_scale_init = config.value_residual_lambda_scale_resolved
-        n = len(self.receivers)
-        if self.parameterisation == PAIR:
-            self.lambda_first_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-        elif self.parameterisation == SOFTMAX:
-            self.lambda_logits = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-            # Shape [1], not 0-dim: FSDP2 and DeepSpeed ZeRO refuse 0-dim parameters.
-            self.lambda_scale_offset = nn.Parameter(torch.zeros(1, dtype=torch.float32))
-        if self.parameterisation in (PAIR, SOFTMAX):
-            self.lambda_self_offset = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-        if self.parameterisation == DENSE:
-            # Row r: receiver r's weights on the raw values V_0 .. V_{L-1}; columns after it unused.
-            self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers, dtype=torch.float32))
-        self.register_exact_buffers()
-
-    def initial_buffers(self, device: torch.device, dtype: torch.dtype = torch.float32
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The table at zero offsets, and dense's mask of the columns each row reads. Zeros then filled: DeepSpeed's
-        `zero.Init` turns what `torch.full` creates into its training dtype, but not what `fill_` writes."""
-        n = len(self.receivers)
-        if self.parameterisation != DENSE:
-            initial = torch.zeros(2, n, device=device).to(dtype)
-            initial[0] = 0.0 if self.parameterisation == SOFTMAX else (self.lambda_first_init or 0.0)
-            initial[1] = self.lambda_self_init if self.lambda_self_init is not None else 1.0
-            return initial, None
-        initial = torch.zeros(n, self.num_layers, device=device).to(dtype)
-        mask = torch.zeros(n, self.num_layers, device=device).to(dtype)
-        for row, layer in enumerate(self.receivers):
-            mask[row, : layer + 1] = 1.0
-            initial[row, 0] = self.lambda_first_init
-            initial[row, layer] = self.lambda_self_init
-        return initial, mask
-
-    def forward(self) -> torch.Tensor:
-        """The λ table in float32: [2, R], λ_first and λ_self of the R receivers (`dense`: [R, L], each receiver's
-        weights on V_0 .. V_{L-1}). Offsets are upcast before the initial values are added, so engines that hand over
-        bf16 copies round only the small offsets."""
-        if self.parameterisation == PAIR:
-            return torch.stack((self.lambda_first_offset, self.lambda_self_offset)) + self.initial
-        if self.parameterisation == SOFTMAX:
-            dtype = self.initial.dtype
-            scale = self.lambda_scale_offset.to(dtype) + self.lambda_scale_init
-            first = torch.softmax(self.lambda_logits.to(dtype), 0) * scale
-            return torch.stack((first, self.lambda_self_offset.to(dtype))) + self.initial
-        if self.parameterisation == DENSE:
-            return (self.dense_weight_offset + self.initial) * self.mask
-        return self.initial  # fixed λ (and `gated`'s initial mix)
-
-    def per_layer(self, dtype: torch.dtype, tokens: int) -> tuple[tuple, ...]:
-        """Each layer's (λ_first, λ_self) for one forward pass: the config's floats where fixed, else 0-dim views of
-        one table cast once to the values' dtype (backward gathers their gradients in one op); `dense`: (its row of
-        weights, None); (None, None) where a layer receives nothing. Decoding a learnable mix, layer 0 gets every
-        receiver's λ_first as a column [R, 1, 1, 1, 1], to scale V_0 for all of them at once."""
-        if not self._parameters:
-            return tuple((None, None) if role == PLAIN else (self.lambda_first_init, self.lambda_self_init)
-                         for role in self.roles)
-        table = self().to(dtype)
-        if self.parameterisation == DENSE:
-            rows = ((row, None) for row in table.unbind(0))
-        else:  # flat: one unbind, whose backward is one stack
-            flat = table.view(-1).unbind()
-            rows = zip(flat[: table.shape[1]], flat[table.shape[1]:])
-        layers = [(None, None) if role == PLAIN else next(rows) for role in self.roles]
-        if self.parameterisation != DENSE and not torch.is_grad_enabled() and tokens <= BATCHED_SCALING_MAX_TOKENS:
-            layers[0] = (table[0].view(-1, 1, 1, 1, 1), None)
-        return tuple(layers)
-
-    @torch.no_grad()
-    def lambda_table(self) -> torch.Tensor:
-        """Effective (λ_first, λ_self) of every layer, float32 [L, 2] on the CPU (`value_residual_lambdas`)."""
-        with gathered_parameters(self):
-            table = self.forward().cpu()
-        result = torch.tensor([[0.0, 1.0]]).repeat(self.num_layers, 1)
-        for row, layer in enumerate(self.receivers):
-            role = self.roles[layer]
-            if role == REUSE:
-                result[layer] = torch.tensor([1.0, 0.0])
-            elif role == CORRECT:
-                result[layer] = torch.stack((table[0, row], 1.0 - table[0, row]))
-            elif role == MIX_ALL:
-                result[layer] = torch.stack((table[row, 0], table[row, layer]))
-            else:
-                result[layer] = table[:, row]
-        return result
-
-    def extra_repr(self) -> str:
-        return f"parameterisation={self.parameterisation}, receivers={self.receivers}"
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # torch's `load_state_dict` (Trainer resume, PEFT, ZeRO-3) of a 0-dim λ_scale saved before it became [1].
-        key = f"{prefix}lambda_scale_offset"
-        if key in state_dict and state_dict[key].dim() == 0:
-            state_dict[key] = state_dict[key].reshape(1)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
 
 # ---- calling a projection as Llama does -----------------------------------------------------------------------------
 
@@ -210,92 +73,106 @@ def heads_view(matrix: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return matrix.view(batch, length, heads, dim).transpose(1, 2)
 
 
-def own_values(v_proj: nn.Module, hidden_states: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Llama's values, `v_proj(h)` as [B, H_kv, T, D]."""
-    return v_proj(hidden_states).view(*hidden_states.shape[:-1], -1, head_dim).transpose(1, 2)
+def hand_on(own: torch.Tensor, scale) -> ResidualValues:
+    """What layer 0 hands on: V_0, or λ_first·V_0 once for every receiver (fixed λ: a float; decoding a learnable
+    mix: `per_layer`'s column, one scaled copy per receiver)."""
+    if scale is None:
+        return own
+    return own * scale if isinstance(scale, float) else (own * scale.to(own.dtype)).unbind(0)
 
 
-def hand_on(own: torch.Tensor, column: torch.Tensor | None) -> ResidualValues:
-    """What layer 0 hands on: V_0; decoding a learnable mix, λ_first·V_0 of every receiver (`per_layer`'s column)."""
-    return own if column is None else (own * column.to(own.dtype)).unbind(0)
+def kept_projection(v_proj: nn.Module, hidden_states: torch.Tensor, own: torch.Tensor) -> tuple:
+    """(h, W, b) of `own = v_proj(h)` where autograd keeps h and W for v_proj anyway, so a value op may keep them too
+    at no cost: a plain, trained linear that read h as it is. Under autocast v_proj reads a private cast of h, and
+    keeping h would cost more than keeping V_n: (None, None, None)."""
+    if is_plain_linear(v_proj) and v_proj.weight.requires_grad and own.dtype == hidden_states.dtype == (
+            v_proj.weight.dtype):
+        return hidden_states, v_proj.weight, v_proj.bias
+    return None, None, None
 
 
 # ---- mix: λ_first·V_0 + λ_self·V_n ----------------------------------------------------------------------------------
 
 
-def mixed_values(v_proj: nn.Module, hidden_states: torch.Tensor, first: ResidualValues, lambda_first, lambda_self,
-                 row: int, head_dim: int) -> torch.Tensor:
-    """`λ_first·V_0 + λ_self·v_proj(h)`, [B, H_kv, T, D], λ floats (fixed) or 0-dim tensors (learnable). Fixed λ
-    fold into v_proj's GEMM (autograd keeps h and W, as Llama's does); learnable λ need `_ProjectAndMix`, which keeps
-    no V_n; decoding, layer 0 scaled V_0 already (`first[row]`) and the mix is one op beyond Llama's."""
-    shape = (*hidden_states.shape[:-1], -1, head_dim)
+def mixed_values(own: torch.Tensor, first: ResidualValues, lambda_first, lambda_self, row: int,
+                 v_proj: nn.Module | None, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`λ_first·V_0 + λ_self·V_n` [B, H_kv, T, D] from this layer's `own = v_proj(h)`, λ floats (fixed) or 0-dim
+    tensors (learnable). `lambda_first` None: `first` is λ_first·V_0 already, which layer 0 scaled once for every
+    receiver (fixed λ; decoding a learnable mix, a tuple with a row per receiver), and the mix is one op that plain
+    autograd keeps nothing for. A learnable mix with gradient is `_MixOwnValues`, which keeps nothing Llama does not;
+    compiled, plain ops the partitioner sees through."""
     if isinstance(first, tuple):
-        return torch.addcmul(first[row], own_values(v_proj, hidden_states, head_dim), lambda_self)
-    if not is_plain_linear(v_proj):  # LoRA, hooks, tensor parallelism: called as Llama calls it
-        return own_values(v_proj, hidden_states, head_dim) * lambda_self + first * lambda_first
-    if torch.compiler.is_compiling():  # plain ops the partitioner sees through (a compiled Llama recomputes h)
+        first, lambda_first = first[row], None
+    if lambda_first is None:
+        if isinstance(lambda_self, float):
+            return torch.add(first, own, alpha=lambda_self)
+        return torch.addcmul(first, own, lambda_self)
+    if torch.compiler.is_compiling() and is_plain_linear(v_proj):
+        # λ_self folded into v_proj's weight, as the paper writes it: the partitioner keeps h and W, and the graph
+        # drops the unscaled `own` (plain `own * λ_self` would keep it for λ_self's gradient)
         bias = None if v_proj.bias is None else v_proj.bias * lambda_self
-        own = F.linear(hidden_states, v_proj.weight * lambda_self, bias)
-        return own.view(shape).transpose(1, 2) + first * lambda_first
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if isinstance(lambda_self, float):
-        mixed = torch.addmm(token_major(first), hidden, v_proj.weight.t(), beta=lambda_first, alpha=lambda_self)
-        mixed = mixed if v_proj.bias is None else mixed.add_(v_proj.bias, alpha=lambda_self)
-    else:
-        mixed = _ProjectAndMix.apply(hidden, v_proj.weight, v_proj.bias, first, lambda_first, lambda_self)
-    return mixed.view(shape).transpose(1, 2)
+        scaled = F.linear(hidden_states, v_proj.weight * lambda_self, bias).view(own.transpose(1, 2).shape)
+        return scaled.transpose(1, 2) + first * lambda_first
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        projection = kept_projection(v_proj, hidden_states, own)
+        mixed = _MixOwnValues.apply(token_major(own), token_major(first), lambda_first, lambda_self, *projection)
+        return heads_view(mixed, own.shape)
+    return torch.addcmul(own * lambda_self, first, lambda_first)
 
 
-class _ProjectAndMix(torch.autograd.Function):
-    """`V' = λ_first·V_0 + λ_self·(h Wᵀ + b)` for learnable λ: v_proj's GEMM and the mix as one op, keeping nothing
-    Llama does not.
+class _MixOwnValues(torch.autograd.Function):
+    """`V' = λ_first·V_0 + λ_self·V_n` for learnable λ on token-major values, keeping nothing Llama does not.
 
-    Saves h (q_proj and k_proj keep it), W, V_0 (layer 0's attention keeps it) and λ. λ_self's gradient `<dV', V_n>`
-    needs the V_n nothing keeps, but equals `<dV'ᵀh, W> + <Σ_t dV', b>`, and `dV'ᵀh` is the weight gradient's own
-    product: exact, for one weight-sized dot. On CUDA the mix runs as Triton kernels (`mix_kernels.py`).
+    λ_self's gradient `<dV', V_n>` needs the V_n nothing keeps. Where autograd keeps v_proj's h and W anyway
+    (`kept_projection`) it is `<dV'ᵀh, W> + <Σ_t dV', b>`, and `dV'ᵀh` is v_proj's weight gradient before its λ_self
+    factor: this op then computes v_proj's gradients itself (exact, for one weight-sized dot) and hands v_proj's own
+    backward none, so that runs nothing. Under autocast (v_proj read a private cast of h) it keeps V_n instead. On
+    CUDA the mix runs as Triton kernels (`mix_kernels.py`).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, first, first_weight, own_weight):
-        dtype = compute_dtype(hidden)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-        first_weight, own_weight = first_weight.to(dtype), own_weight.to(dtype)
-        ctx.first_shape = first.shape
-        first = token_major(first).to(dtype)  # a view of V_0 as layer 0's v_proj wrote it
-        mixed = F.linear(hidden, weight, bias)
-        if kernels_usable(mixed, first, first_weight, own_weight):
-            mix_in_place(mixed, first, first_weight, own_weight)
+    def forward(ctx, own, first, first_weight, own_weight, hidden, weight, bias):
+        ctx.projected = weight is not None
+        first_weight, own_weight = first_weight.to(own.dtype), own_weight.to(own.dtype)
+        if kernels_usable(own, first, first_weight, own_weight):
+            mixed = mix(own, first, first_weight, own_weight)
         else:
-            mixed.mul_(own_weight).addcmul_(first, first_weight)
-        ctx.save_for_backward(hidden, weight, bias, first, first_weight, own_weight)
+            mixed = torch.mul(own, own_weight).addcmul_(first, first_weight)
+        kept = (hidden, weight, bias) if ctx.projected else (own, None, None)
+        ctx.save_for_backward(first, first_weight, own_weight, *kept)
         return mixed
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, first, first_weight, own_weight = ctx.saved_tensors
-        need_hidden, need_weight, need_bias, need_first, need_first_weight, need_own_weight = ctx.needs_input_grad
-        grad_hidden = grad_weight = grad_bias = grad_first_weight = grad_own_weight = None
+        first, first_weight, own_weight, hidden_or_own, weight, bias = ctx.saved_tensors
+        need_own, need_first, need_first_weight, need_own_weight, need_hidden, need_weight, need_bias = (
+            ctx.needs_input_grad)
+        grad_first_weight = grad_own_weight = grad_hidden = grad_weight = grad_bias = None
         if kernels_usable(grad, first, first_weight, own_weight):  # both products and λ_first's dot in one pass
             grad_first, scaled, grad_first_weight = mix_backward(grad, first, first_weight, own_weight)
         else:
             grad_first, scaled = (grad * _column(first_weight, own_weight)).unbind()
-        if need_hidden:
-            grad_hidden = scaled.mm(weight)
-        if need_bias and bias is not None:
-            grad_bias = scaled.sum(0)
+        if need_first_weight and grad_first_weight is None:
+            grad_first_weight = torch.dot(grad.reshape(-1), first.reshape(-1))
+        grad_first = grad_first if need_first else None
+        if not ctx.projected:  # V_n kept
+            grad_own_weight = torch.dot(grad.reshape(-1), hidden_or_own.reshape(-1)) if need_own_weight else None
+            return scaled if need_own else None, grad_first, grad_first_weight, grad_own_weight, None, None, None
+        hidden = hidden_or_own
+        flat = hidden.reshape(-1, hidden.shape[-1])
         if need_own_weight:
-            product = grad.t().mm(hidden)  # dV'ᵀh: the weight gradient before its λ_self factor
+            product = grad.t().mm(flat)  # dV'ᵀh: the weight gradient before its λ_self factor
             grad_own_weight = torch.dot(product.view(-1), weight.reshape(-1))
             if bias is not None:
                 grad_own_weight = grad_own_weight + torch.dot(grad.sum(0), bias)
             grad_weight = product.mul_(own_weight) if need_weight else None
         elif need_weight:
-            grad_weight = scaled.t().mm(hidden)
-        if need_first_weight and grad_first_weight is None:
-            grad_first_weight = torch.dot(grad.reshape(-1), first.reshape(-1))
-        grad_first = heads_view(grad_first, ctx.first_shape) if need_first else None
-        return grad_hidden, grad_weight, grad_bias, grad_first, grad_first_weight, grad_own_weight
+            grad_weight = scaled.t().mm(flat)
+        if need_bias and bias is not None:
+            grad_bias = scaled.sum(0)
+        if need_hidden:
+            grad_hidden = scaled.mm(weight).view(hidden.shape)
+        return None, grad_first, grad_first_weight, grad_own_weight, grad_hidden, grad_weight, grad_bias
 
 
 def _column(first_weight: torch.Tensor, own_weight: torch.Tensor) -> torch.Tensor:
@@ -310,13 +187,15 @@ def _column(first_weight: torch.Tensor, own_weight: torch.Tensor) -> torch.Tenso
 
 
 class ValueGate(nn.Linear):
-    """A gated layer's gate: logits `W_g h + b_g` of the mix `g = g0 − 0.5 + σ(·)` of each token and kv head. A lerp
-    per head, as x-transformers mixes (`lerp(v, v_0, σ(W h + b))`); W_g and b_g start at zero, so every token starts
-    at `g0` (0.5; 0 with `--init preserve`, exactly the converted Llama, whose gates still get the gradient `h/4`), and
-    weight decay pulls the mix back to `g0`. Kept float32 like the λ."""
+    """A gated layer's gate: logits `W_g x̂[..., :C] + b_g` of the mix `g = g0 − 0.5 + σ(·)` of each token and kv head,
+    from the first C = 12 channels of the layer's normalised input x̂, as nanochat's and modded-nanogpt's gates read
+    theirs (a fourth linear over all of x̂ would hide q, k and v from vLLM's QKV fuser). A lerp per head, as
+    x-transformers mixes (`lerp(v, v_0, σ(·))`); W_g and b_g start at zero, so every token starts at `g0` (0.5; 0 with
+    `--init preserve`, exactly the converted Llama, whose gates still get gradient), and weight decay pulls the mix
+    back to `g0`. Kept float32 like the λ."""
 
     def __init__(self, hidden_size: int, num_key_value_heads: int):
-        super().__init__(hidden_size, num_key_value_heads, bias=True)
+        super().__init__(min(GATE_CHANNELS, hidden_size), num_key_value_heads, bias=True)
 
     def resting_shift(self) -> float:
         """How far the gate moves λ_first for a token whose gate input moves nothing: `σ(b_g) − 0.5` averaged over
@@ -325,67 +204,63 @@ class ValueGate(nn.Linear):
 
     def mix(self, hidden_states: torch.Tensor, shift: float) -> torch.Tensor:
         """The mix `g` on V_0 of every token and kv head ([..., H_kv], float32) for the layer's normalised input."""
-        return torch.sigmoid(self(hidden_states.to(self.weight.dtype)).float()) + shift
+        return torch.sigmoid(gate_logits(self, hidden_states, self.in_features).float()) + shift
 
 
-def gated_values(v_proj: nn.Module, gate: ValueGate, hidden_states: torch.Tensor, first: torch.Tensor, shift: float,
-                 head_dim: int) -> torch.Tensor:
-    """`V_n + g·(V_0 − V_n)`, [B, H_kv, T, D], `g = shift + σ(gate(h))`: fused (`_ProjectAndGate`) for plain linears,
-    else, and compiled, plain ops (a compiled Llama recomputes h, so they keep less than the fused op)."""
-    if torch.compiler.is_compiling() or not (is_plain_linear(v_proj) and is_plain_linear(gate, ValueGate)):
-        logits = gate(hidden_states.to(gate.weight.dtype))
-        mix = torch.sigmoid(logits) + shift if shift else torch.sigmoid(logits)
-        own = own_values(v_proj, hidden_states, head_dim)
-        return torch.lerp(own, first, mix.transpose(1, 2).unsqueeze(-1).to(own.dtype))
-    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-    mixed = _ProjectAndGate.apply(hidden, v_proj.weight, v_proj.bias, first, gate.weight, gate.bias, shift)
-    return mixed.view(*hidden_states.shape[:-1], -1, head_dim).transpose(1, 2)
+def gate_logits(gate: nn.Module, hidden_states: torch.Tensor, channels: int) -> torch.Tensor:
+    """The gate's logits [..., H_kv] from the first `channels` of x̂ (`gate` may be an engine's own linear)."""
+    return gate(hidden_states[..., :channels].to(gate.weight.dtype))
 
 
-class _ProjectAndGate(torch.autograd.Function):
-    """v_proj, the gate and the lerp as one op, keeping nothing beyond Llama's activations but σ ([B·T, H_kv]). The
-    gate's gradient `Σ_d dV'·(V_0 − V_n)` needs the V_n nothing keeps: backward recomputes it with its GEMM."""
+def gated_values(own: torch.Tensor, first: torch.Tensor, gate: nn.Module, hidden_states: torch.Tensor, shift: float,
+                 channels: int, v_proj: nn.Module | None) -> torch.Tensor:
+    """`V_n + g·(V_0 − V_n)`, [B, H_kv, T, D], `g = shift + σ(gate(x̂[..., :C]))`, from this layer's `own = v_proj(h)`;
+    with gradient `_GatedMix` keeps nothing beyond Llama's activations but σ; compiled, plain ops."""
+    sigmoid = torch.sigmoid(gate_logits(gate, hidden_states, channels))
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        projection = kept_projection(v_proj, hidden_states, own)
+        mixed = _GatedMix.apply(token_major(own), token_major(first), sigmoid.reshape(-1, sigmoid.shape[-1]), shift,
+                                *projection)
+        return heads_view(mixed, own.shape)
+    gate = (sigmoid + shift if shift else sigmoid).transpose(1, 2).unsqueeze(-1).to(own.dtype)
+    return torch.lerp(own, first, gate)
+
+
+class _GatedMix(torch.autograd.Function):
+    """The lerp `V_n + g·(V_0 − V_n)` per kv head on token-major values. The gate's gradient `Σ_d dV'·(V_0 − V_n)`
+    needs the V_n nothing keeps: backward recomputes it with v_proj's GEMM where autograd keeps h and W anyway
+    (`kept_projection`), else (autocast) it is kept."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, first, gate_weight, gate_bias, shift):
-        dtype = compute_dtype(hidden)
-        hidden, weight, gate_weight = hidden.to(dtype), weight.to(dtype), gate_weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-        own = F.linear(hidden, weight, bias)
-        ctx.first_shape, ctx.shift = first.shape, shift
-        first = token_major(first).to(dtype)  # a view of V_0 as layer 0's v_proj wrote it
-        sigmoid = torch.sigmoid(torch.addmm(gate_bias.to(dtype), hidden, gate_weight.t()))
-        gate = sigmoid + shift if shift else sigmoid
+    def forward(ctx, own, first, sigmoid, shift, hidden, weight, bias):
+        ctx.shift, ctx.projected = shift, weight is not None
         heads = sigmoid.shape[-1]
+        gate = (sigmoid + shift if shift else sigmoid).to(own.dtype)
         mixed = torch.lerp(own.view(own.shape[0], heads, -1), first.view(first.shape[0], heads, -1), gate[..., None])
-        ctx.save_for_backward(hidden, weight, bias, first, gate_weight, sigmoid)
+        ctx.save_for_backward(first, sigmoid, *((hidden, weight, bias) if ctx.projected else (own, None, None)))
         return mixed.view(own.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        hidden, weight, bias, first, gate_weight, sigmoid = ctx.saved_tensors
-        need_hidden, need_weight, need_bias, need_first, need_gate_weight, need_gate_bias = ctx.needs_input_grad[:6]
+        first, sigmoid, hidden_or_own, weight, bias = ctx.saved_tensors
+        need_own, need_first, need_sigmoid = ctx.needs_input_grad[:3]
         heads = sigmoid.shape[-1]
         per_head = grad.reshape(grad.shape[0], heads, -1)
-        gate = (sigmoid + ctx.shift if ctx.shift else sigmoid).unsqueeze(-1)
-        grad_own = torch.addcmul(per_head, per_head, gate, value=-1.0).view(grad.shape)  # (1 − g)·dV'
-        grad_weight = grad_own.t().mm(hidden) if need_weight else None
-        grad_bias = grad_own.sum(0) if bias is not None and need_bias else None
-        grad_first = grad_logits = grad_gate_weight = grad_gate_bias = grad_hidden = None
-        if need_first:
-            grad_first = heads_view(per_head * gate, ctx.first_shape)
-        if need_hidden or need_gate_weight or need_gate_bias:
-            difference = torch.addmm(first, hidden, weight.t(), alpha=-1.0)  # V_0 − V_n, V_n's GEMM again
-            if bias is not None:
-                difference.sub_(bias)
+        gate = (sigmoid + ctx.shift if ctx.shift else sigmoid).to(grad.dtype).unsqueeze(-1)
+        grad_own = torch.addcmul(per_head, per_head, gate, value=-1.0).view(grad.shape) if need_own else None
+        grad_first = (per_head * gate).view(grad.shape) if need_first else None
+        grad_sigmoid = None
+        if need_sigmoid:
+            if ctx.projected:  # V_0 − V_n, V_n's GEMM again
+                flat = hidden_or_own.reshape(-1, hidden_or_own.shape[-1])
+                difference = torch.addmm(first, flat, weight.t(), alpha=-1.0)
+                difference = difference if bias is None else difference.sub_(bias)
+            else:
+                difference = first - hidden_or_own
             rows = per_head.shape[0] * heads
-            per_token = torch.bmm(per_head.reshape(rows, 1, -1), difference.view(rows, -1, 1))  # Σ_d dV'·(V_0 − V_n)
-            grad_logits = torch.ops.aten.sigmoid_backward(per_token.view(sigmoid.shape), sigmoid)
-            grad_gate_weight = grad_logits.t().mm(hidden) if need_gate_weight else None
-            grad_gate_bias = grad_logits.sum(0) if need_gate_bias else None
-        if need_hidden:
-            grad_hidden = grad_own.mm(weight).addmm_(grad_logits, gate_weight)
-        return grad_hidden, grad_weight, grad_bias, grad_first, grad_gate_weight, grad_gate_bias, None
+            per_token = torch.bmm(per_head.reshape(rows, 1, -1), difference.view(rows, -1, 1))
+            grad_sigmoid = per_token.view(sigmoid.shape).to(sigmoid.dtype)
+        return grad_own, grad_first, grad_sigmoid, None, None, None, None
 
 
 # ---- correct (NeuTRENO): o_proj(A_n V_n + λ(V_0 − V_n)) -------------------------------------------------------------
@@ -445,4 +320,4 @@ class _CorrectedOutputProjection(torch.autograd.Function):
         return grad_output, grad_first, grad_own, grad_weight, grad_bias, None, None
 
 
-__all__ = ["ResidualValues", "ValueGate", "ValueResidual", "corrected_output", "gated_values", "mixed_values"]
+__all__ = ["ResidualValues", "ValueGate", "corrected_output", "gated_values", "hand_on", "mixed_values"]
