@@ -12,7 +12,10 @@ status 1.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +31,7 @@ from hf_serving import (  # noqa: E402
     CONCURRENT,
     MAX_TOKENS,
     PROMPTS,
+    REPO,
     REQUEST_TIMEOUT_S,
     Server,
     served,
@@ -287,14 +291,43 @@ def test_a_dead_batching_worker_stops_the_server_with_status_1(folders, tmp_path
         server.close()
 
 
-@pytest.mark.parametrize("name", ["svformer", "llama"])
-def test_sigterm_stops_a_batching_server(folders, tmp_path, name):
-    """After serving with continuous batching, SIGTERM ends the process (status 143) without a SIGKILL: transformers'
-    server leaves its batching thread, not a daemon, running after it stops, and the process with it."""
-    server = Server(folders[name], tmp_path / "stopping.log", *CB_FLAGS)
+@pytest.mark.parametrize(("name", "flags"), [("svformer", CB_FLAGS), ("llama", CB_FLAGS), ("learnable_plus", ())])
+def test_sigterm_stops_a_server_and_says_what_it_did(folders, tmp_path, name, flags):
+    """After serving, SIGTERM ends the process (status 143) without a SIGKILL (transformers' server leaves its
+    batching thread, not a daemon, running after it stops, and the process with it), and its last line says how many
+    requests it answered (issue 68: it said "nothing was done")."""
+    server = Server(folders[name], tmp_path / "stopping.log", *flags)
     try:
         assert server.complete(PROMPTS[1])[1] == MAX_TOKENS
+        assert server.chat(PROMPTS[2])[1] > 0
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 143, server.log_tail()
+        last = server.log_tail().strip().splitlines()[-1]
+        assert last == "resformer-serve: terminated; the server stopped after answering 2 generation requests", last
     finally:
         server.close()
+
+
+#: Run in the server's process before the command: SIGTERM arrives while the server loads the model.
+SIGTERM_WHILE_LOADING = """
+import os, signal
+from transformers.cli.serving import model_manager
+
+load = model_manager.ModelManager.load_model_and_processor
+
+def loading(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return load(self, *args, **kwargs)
+
+model_manager.ModelManager.load_model_and_processor = loading
+"""
+
+
+def test_sigterm_while_the_model_loads_says_no_request_was_answered(folders, tmp_path):
+    folder = str(folders["svformer"])
+    script = f"{SIGTERM_WHILE_LOADING}\nfrom resformer_hf.cli.serve import main\nraise SystemExit(main([{folder!r}]))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"resformer-serve: terminated; stopped while loading {folder}; no request was answered")

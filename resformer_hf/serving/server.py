@@ -82,6 +82,7 @@ class ServerState:
     server: Any = None
     generation_state: Any = None
     worker_died: str | None = None
+    answered: int = 0  #: generation requests answered (what `resformer-serve` says it did when stopped)
 
 
 class RequestChecks:
@@ -107,6 +108,11 @@ class RequestChecks:
         if not checked or scope.get("path") not in GENERATION_ENDPOINTS:
             await self.app(scope, receive, send)
             return
+        await self._checked(scope, receive, send)
+        self.state.answered += 1
+
+    async def _checked(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """A generation request: checked, fanned out or passed on (see the module docstring)."""
         scope, send = _own_request_id(scope, send)
         raw, messages = await read_body(receive)
         facts = await self._model_facts()
