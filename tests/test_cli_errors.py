@@ -199,22 +199,26 @@ def test_usage_errors_are_one_line(capsys, prog, argv, words):
 
 # ---- interrupts, in real processes -------------------------------------------------------------------------------
 
-_INTERRUPT_WHILE_IMPORTING = textwrap.dedent(
+#: Run as `python -c SCRIPT SIGNAL PROG ARGS...`: PROG's main, with SIGNAL (INT or TERM) sent to the process when it
+#: first imports transformers, mid start-up (torch is loaded, transformers not yet).
+_SIGNAL_WHILE_IMPORTING = textwrap.dedent(
     """
     import importlib.abc, os, signal, sys
 
-    class InterruptOnImport(importlib.abc.MetaPathFinder):
+    class SignalOnImport(importlib.abc.MetaPathFinder):
         sent = False
 
         def find_spec(self, name, path=None, target=None):
-            if name == "transformers" and not self.sent:  # mid start-up: torch is loaded, transformers not yet
+            if name == "transformers" and not self.sent:
                 self.sent = True
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), SIGNAL)
             return None
 
+    SIGNAL = getattr(signal, "SIG" + sys.argv.pop(1))
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if our parent ignores Ctrl-C
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as a supervisor starts a process
     sys.argv = sys.argv[1:]  # argv[0] is the command's name, as for the installed console script
-    sys.meta_path.insert(0, InterruptOnImport())
+    sys.meta_path.insert(0, SignalOnImport())
     import importlib
     sys.exit(importlib.import_module("resformer_hf.cli." + sys.argv[0].split("-")[1]).main())
     """
@@ -226,10 +230,25 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prog", ["resformer-convert", "resformer-quickstart", "resformer-analyze"])
-def test_ctrl_c_during_start_up_is_one_line_and_130(tmp_path, prog):
-    result = subprocess.run([sys.executable, "-c", _INTERRUPT_WHILE_IMPORTING, prog, "--help"], env=_env(),
+@pytest.mark.parametrize(("sig", "word", "status"), [("INT", "interrupted", 130), ("TERM", "terminated", 143)])
+@pytest.mark.parametrize("prog", ["resformer-convert", "resformer-quickstart", "resformer-analyze", "resformer-serve"])
+def test_a_signal_during_start_up_is_one_line(tmp_path, prog, sig, word, status):
+    """Ctrl-C (130) and SIGTERM (143, issue 68: it was a silent exit) while the command imports torch and
+    transformers: one line saying nothing was done, nothing on stdout."""
+    result = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_IMPORTING, sig, prog, "--help"], env=_env(),
                             capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert result.returncode == 130, result.stderr[-2000:]
-    assert result.stderr.splitlines() == [f"{prog}: interrupted while starting; nothing was done"]
+    assert result.returncode == status, result.stderr[-2000:]
+    assert result.stderr.splitlines() == [f"{prog}: {word} while starting; nothing was done"]
     assert result.stdout == ""
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_converter_starts_leaves_nothing_behind(llama, tmp_path):
+    """A real conversion's command line, SIGTERM'd during its start-up: its one line, status 143, and no DST, staging
+    directory or other file beside where DST would be."""
+    result = subprocess.run([sys.executable, "-c", _SIGNAL_WHILE_IMPORTING, "TERM", "resformer-convert", str(llama),
+                             str(tmp_path / "out")], env=_env(), capture_output=True, text=True, timeout=240,
+                            cwd=tmp_path)
+    assert (result.returncode, result.stderr.splitlines()) == (
+        143, ["resformer-convert: terminated while starting; nothing was done"]), result.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

@@ -73,6 +73,21 @@ def served_args(server: Server, folder: Path) -> dict:
             "max_length": CONTEXT, "max_retries": 1, "num_concurrent": 1}
 
 
+def documented_args(server: Server, folder: Path) -> str:
+    """docs/serving.md's `lm_eval run` `--model_args` (issue 68), for `server` on `folder`: the documented folder
+    and port replaced by the test's, `max_length` by the test folders' context, and every other setting as the page
+    gives it (the page's `model=` and `tokenizer=` must be the folder it serves)."""
+    page = (REPO / "docs" / "serving.md").read_text(encoding="utf-8")
+    (line,) = [line for line in page.splitlines() if line.startswith("lm_eval run --model local-completions")]
+    documented = dict(pair.split("=", 1) for pair in line.split("--model_args ")[1].split()[0].split(","))
+    served = documented["model"]
+    assert documented["tokenizer"] == served and f"resformer-serve {served} --port 8000" in page, documented
+    assert documented["base_url"] == "http://127.0.0.1:8000/v1/completions", documented
+    args = {**documented, "model": str(folder), "tokenizer": str(folder), "max_length": str(CONTEXT),
+            "base_url": f"http://127.0.0.1:{server.port}/v1/completions", "max_retries": "1"}
+    return ",".join(f"{key}={value}" for key, value in args.items())
+
+
 def generations(samples: dict) -> list[str]:
     return [sample["resps"][0][0] for sample in samples[GENERATION]]
 
@@ -171,14 +186,13 @@ def test_local_completions_against_the_server_scores_what_hf_scores(servers, fol
 
 
 def test_lm_evals_command_line_against_the_batching_server(servers, folders, references, tmp_path):
-    """`lm_eval run --model local-completions --tasks <the task YAMLs> --log_samples` in a process of its own
-    (offline; lm-eval's index of its built-in tasks is skipped, ~40 s)."""
+    """`lm_eval run --model local-completions --tasks <the task YAMLs> --log_samples` in a process of its own, with
+    docs/serving.md's `--model_args` (offline; lm-eval's index of its built-in tasks is skipped, ~40 s)."""
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     for config in task_configs(TASKS):
         (tasks / f"{config['task']}.yaml").write_text(yaml.safe_dump(config))
-    args = ",".join(f"{key}={value}" for key, value in served_args(servers["svformer-batched"],
-                                                                    folders["svformer"]).items())
+    args = documented_args(servers["svformer-batched"], folders["svformer"])
     command = ("import functools, sys\nfrom lm_eval.tasks import TaskManager\n"
                "TaskManager.__init__ = functools.partialmethod(TaskManager.__init__, include_defaults=False)\n"
                "from lm_eval.__main__ import cli_evaluate\nsys.exit(cli_evaluate())")

@@ -170,3 +170,18 @@ def test_installed_wheel_renders_cards(tmp_path):
     location, tag = result.stdout.split()
     assert Path(location) == tmp_path / "site" / "resformer_hf"
     assert tag == "text-generation"
+
+
+def test_the_cards_requirements_are_setup_cfgs():
+    """The card says what `pip install` of the plugin requires (issue 68: it said torch>=2.6, which setup.cfg and the
+    README rule out): each of setup.cfg's torch and transformers requirements, in the template and a rendered card."""
+    import configparser
+
+    setup = configparser.ConfigParser()
+    setup.read(REPO_ROOT / "setup.cfg")
+    required = {req.split(">")[0].split("<")[0]: req for req in setup["options"]["install_requires"].split()}
+    sentence = f"Needs `{required['transformers']}` and `{required['torch']}`;"
+    for text in ((REPO_ROOT / "model_cards" / "resformer.md").read_text(),
+                 build_model_card(tiny_config("learnable_plus")).content):
+        assert sentence in " ".join(text.split()), sentence
+        assert not re.search(r"torch>=(?!" + re.escape(required["torch"].removeprefix("torch>=")) + r"`)", text)

@@ -211,3 +211,28 @@ def test_console_script_is_declared():
     scripts = setup["options.entry_points"]["console_scripts"]
     assert "resformer-quickstart = resformer_hf.cli.quickstart:main" in scripts
     assert "data/*.txt" in setup["options.package_data"]["resformer_hf"]
+
+
+def test_the_readme_names_what_quickstart_converts_a_model_to():
+    """`--model` converts to the `--variant` default with `--init preserve` (issue 68: the README did not say which
+    variant); the README names both, and the converter's default it recommends instead."""
+    from resformer_hf.cli.quickstart import build_parser
+    from resformer_hf.conversion import DEFAULT_CONVERSION_VARIANT
+
+    variant = build_parser().parse_args(["--model", "m"]).variant
+    readme = " ".join((REPO_ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert (f"`--model DIR_OR_ID` converts your Llama-layout checkpoint instead, to `{variant}` (the default "
+            "`--variant`) with `--init preserve` by default") in readme
+    assert f"`--variant {DEFAULT_CONVERSION_VARIANT}`, the converter's default" in readme
+
+
+def test_the_quickstarts_default_output_is_ignored_by_git():
+    """Run in the clone, as the README says, the quickstart writes `./resformer-quickstart`: git must not offer it."""
+    from resformer_hf.cli.quickstart import build_parser
+
+    output = build_parser().parse_args([]).output
+    ignored = subprocess.run(["git", "check-ignore", "-q", f"{output}/model.safetensors"], cwd=REPO_ROOT,
+                             capture_output=True)
+    if ignored.returncode == 128:  # not a git checkout (an unpacked sdist)
+        pytest.skip(f"{REPO_ROOT} is not a git checkout")
+    assert ignored.returncode == 0, f"{output}/ is not in .gitignore"

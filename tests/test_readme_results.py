@@ -142,3 +142,19 @@ def test_the_svformer_cache_block_is_svformer_md():
 def test_every_generated_block_names_a_results_file_that_exists(name):
     links = re.findall(r"benchmarks/results/[\w.*]+", readme_block(name))
     assert links and all(list(RESULTS.parent.glob(link.removeprefix("benchmarks/"))) for link in links), links
+
+
+def test_each_results_row_is_a_headline_with_a_number_and_a_link():
+    """README's results table stays scannable (issue 68: a cell had over 100 words): each row's headline is at most
+    two sentences and 40 words and holds a number, its study cell at most 10 words, and it links the page with the
+    detail."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    table = text.split("\n## Results\n")[1].split("\n## ")[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in table.splitlines()
+            if line.startswith("|")][2:]
+    assert len(rows) >= 10, rows
+    for study, headline, details in rows:
+        sentences = len(re.findall(r"[.!?](?=\s|$)", headline))
+        assert 1 <= sentences <= 2 and len(headline.split()) <= 40, (study, sentences, len(headline.split()))
+        assert re.search(r"\d", headline) and len(study.split()) <= 10, study
+        assert re.search(r"\[[^\]]+\]\([^)]+\)", details), study

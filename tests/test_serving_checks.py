@@ -240,6 +240,14 @@ def test_a_seed_is_refused_by_the_batching_engine_only_where_it_draws(body, fold
     ("/v1/completions", {"echo": "yes"}, "echo must"),
     ("/v1/completions", {"logprobs": 1, "stream": True}, "logprobs cannot be streamed"),
     ("/v1/completions", {"echo": True, "stream": True}, "echo cannot be streamed"),
+    ("/v1/completions", {"echo": True, "logprobs": 5, "max_tokens": 0}, None),  # legacy scoring (issue 68)
+    ("/v1/completions", {"echo": True, "max_tokens": 0}, None),
+    ("/v1/completions", {"logprobs": 5, "max_tokens": 0}, "logprobs with max_tokens 0 and no echo"),
+    ("/v1/completions", {"logprobs": 5, "echo": False, "max_tokens": 0}, "add echo: true to score the prompt"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens 0 generates no token"),
+    ("/v1/completions", {"echo": True, "max_tokens": False}, "max_tokens must be a positive integer"),
+    ("/v1/completions", {"echo": True, "max_tokens": -1}, "max_tokens must be a positive integer"),
+    ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens must be a positive integer"),
     ("/v1/completions", {"logprobs": None, "echo": False, "stream": True}, None),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 20}, None),
     ("/v1/chat/completions", {"logprobs": 1}, "logprobs must be true or false"),
@@ -377,3 +385,130 @@ def test_requests_are_keyed_by_the_servers_own_ids_and_carry_one_content_length(
     echoed = [[value for key, value in sent[0]["headers"] if key == b"x-request-id"] for sent in answers]
     assert echoed[:2] == [[b"same"], [b"same"]]
     assert echoed[2] == [json.loads(answers[2][1]["body"])["id"].encode()]  # no client id: the server's own
+
+
+# ---- OpenAI's error shape on every error (issue 68) ----
+
+OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+class _PinnedModels:
+    """The model manager of `transformers serve FOLDER` as far as a request's checks reach it: pinned to "tiny";
+    `fail` is raised where it would load the model (the batching worker's death, a crash)."""
+
+    force_model = "tiny"
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.fail = fail
+
+    def process_model_name(self, model: str) -> str:
+        raise self.fail or AssertionError("the test never gets this far")
+
+
+def _hf_app(fail: Exception | None = None):
+    """transformers' own server app (`build_server`) with its own completions handler, wrapped as `RequestChecks`
+    wraps it (`openai_errors`); the other handlers are never reached."""
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.utils import GenerationState
+
+    from resformer_hf.serving.openai_errors import openai_errors
+
+    models, state = _PinnedModels(fail), GenerationState()
+    app = build_server(models, None, CompletionHandler(models, state), None, None, None, state)
+
+    async def wrapped(scope, receive, send):
+        await app(scope, receive, openai_errors(scope, send))
+
+    return wrapped
+
+
+def _call(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict, bytes]:
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "scheme": "http", "server": ("127.0.0.1", 8000), "http_version": "1.1",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    try:
+        asyncio.run(app(scope, receive, send))
+    except RuntimeError as error:  # Starlette answers a crash with its 500, then re-raises it for the log
+        assert "injected" in str(error), error
+    start = next(message for message in sent if message["type"] == "http.response.start")
+    raw = b"".join(message.get("body", b"") for message in sent if message["type"] == "http.response.body")
+    return start["status"], dict(start["headers"]), raw
+
+
+@pytest.mark.parametrize(("what", "method", "path", "body", "status", "words"), [
+    ("unknown field", "POST", "/v1/completions", {"prompt": "It", "colour": "red"}, 400,
+     "Unrecognized request argument supplied: colour"),
+    ("two unknown fields", "POST", "/v1/completions", {"prompt": "It", "b": 1, "a": 2}, 400,
+     "arguments supplied: a, b"),
+    ("malformed JSON", "POST", "/v1/completions", b'{"prompt": "It", "max_tokens": ', 400,
+     "not valid JSON (JSON decode error at character 31: Expecting value)"),
+    ("body not an object", "POST", "/v1/completions", b"[1, 2]", 400, "body: Input should be a valid dictionary"),
+    ("wrong model", "POST", "/v1/completions", {"prompt": "It", "model": "other"}, 404,
+     "Server is pinned to 'tiny'; requested 'other'"),
+    ("unknown path", "POST", "/v1/complete", {"prompt": "It"}, 404, "POST /v1/complete is not an endpoint"),
+    ("wrong method", "GET", "/v1/completions", b"", 405, "Method Not Allowed: GET /v1/completions"),
+])
+def test_every_error_of_transformers_serve_has_openais_shape_and_a_fitting_status(what, method, path, body, status,
+                                                                                  words):
+    raw_body = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got_status, headers, raw = _call(_hf_app(), method, path, raw_body)
+    error = json.loads(raw)["error"]
+    assert (got_status, set(error), error["type"]) == (status, OPENAI_ERROR_KEYS, "invalid_request_error"), (what, raw)
+    assert words in error["message"], (what, error["message"])
+    assert headers[b"content-length"] == str(len(raw)).encode() and headers[b"content-type"] == b"application/json"
+    if what.endswith("unknown field"):
+        assert error["param"] == "colour"
+    if what == "wrong model":
+        assert (error["param"], error["code"]) == ("model", "model_not_found")
+
+
+def test_the_servers_own_failures_are_server_errors_in_openais_shape():
+    from transformers.cli.serving.utils import CBWorkerDeadError
+
+    body = json.dumps({"prompt": "It"}).encode()
+    for fail, status, words in ((CBWorkerDeadError("CB worker is dead and cannot accept request r"), 503,
+                                 "CB worker is dead"),
+                                (RuntimeError("injected failure"), 500, "the server failed on this request")):
+        got_status, _, raw = _call(_hf_app(fail), "POST", "/v1/completions", body)
+        error = json.loads(raw)["error"]
+        assert (got_status, set(error), error["type"]) == (status, OPENAI_ERROR_KEYS, "server_error"), raw
+        assert words in error["message"], raw
+
+
+def test_a_streams_error_event_and_a_shaped_error_keep_their_message():
+    """HF's stream error event (`data: {"error": "<message, unescaped>"}`) becomes OpenAI's error object; an answer
+    already in OpenAI's shape (the checks' 400, a merged request's failed part) keeps its status and message."""
+    from resformer_hf.serving.openai_errors import openai_errors
+
+    def app_sending(status: int, content_type: bytes, *bodies: bytes):
+        async def app(scope, receive, send):
+            await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+            for index, body in enumerate(bodies):
+                await send({"type": "http.response.body", "body": body, "more_body": index < len(bodies) - 1})
+
+        async def wrapped(scope, receive, send):
+            await app(scope, receive, openai_errors(scope, send))
+        return wrapped
+
+    chunk = b'data: {"id": "r", "choices": [{"text": "a"}]}\n\n'
+    status, _, raw = _call(app_sending(200, b"text/event-stream", chunk, b'data: {"error": "bad "x" input"}\n\n'),
+                           "POST", "/v1/completions")
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[0] == json.loads(chunk[6:])
+    assert events[1] == {"error": {"message": 'bad "x" input', "type": "server_error", "param": None, "code": None}}
+    shaped = json.dumps({"error": {"message": "prompt is required"}}).encode()
+    status, _, raw = _call(app_sending(400, b"application/json", shaped[:5], shaped[5:]), "POST", "/v1/completions")
+    assert (status, json.loads(raw)) == (400, {"error": {"message": "prompt is required",
+                                                         "type": "invalid_request_error", "param": None,
+                                                         "code": None}})
+    status, _, raw = _call(app_sending(200, b"application/json", b'{"error": "not an error answer"}'), "GET", "/x")
+    assert (status, raw) == (200, b'{"error": "not an error answer"}')

@@ -4,13 +4,18 @@ Each server runs in its own process on 127.0.0.1 and is stopped by the test modu
 greedy text is compared with `generate()` in this process on the same folder (text and token count), for
 /v1/completions and /v1/chat/completions, streaming and not, for 8 concurrent requests, with and without
 `--continuous-batching`; a Llama folder of the same shape served the same way is the control. Bad requests get a 4xx
-with a message, and the next request is served; token-id prompts and `n` > 1 are served as OpenAI's API defines them;
-a 5 MB prompt does not stall the server; a dead continuous-batching worker stops it with status 1.
+with a message in OpenAI's error shape, and the next request is served; token-id prompts and `n` > 1 are served as
+OpenAI's API defines them; a 5 MB prompt does not stall the server; a dead continuous-batching worker stops it with
+status 1.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +31,7 @@ from hf_serving import (  # noqa: E402
     CONCURRENT,
     MAX_TOKENS,
     PROMPTS,
+    REPO,
     REQUEST_TIMEOUT_S,
     Server,
     served,
@@ -127,7 +133,7 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_next_is_served(fixture, r
     server, reference = request.getfixturevalue(fixture)
     too_long = " ".join(["the quick brown fox"] * 100)
     bad = {
-        "malformed JSON": ("/v1/completions", b'{"prompt": "It", "max_tokens": ', "JSON decode error", 422),
+        "malformed JSON": ("/v1/completions", b'{"prompt": "It", "max_tokens": ', "JSON decode error", 400),
         "prompt beyond the context": ("/v1/completions", {"prompt": too_long, "max_tokens": 4},
                                       "context is 128 tokens", 400),
         "negative max_tokens": ("/v1/completions", {"prompt": "It", "max_tokens": -1},
@@ -141,9 +147,47 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_next_is_served(fixture, r
     expected = reference.complete(PROMPTS[1])
     for what, (path, body, message, status) in bad.items():
         got_status, raw = server.post(path, body)
-        assert (got_status, message in raw.decode()) == (status, True), (what, got_status, raw)
+        error = json.loads(raw)["error"]  # OpenAI's shape, the server's own errors too
+        assert (got_status, message in error["message"], set(error)) == (status, True, OPENAI_ERROR_KEYS), (
+            what, got_status, raw)
         assert server.complete(PROMPTS[1]) == expected, what
     assert server.get("/health")[0] == 200
+
+
+#: OpenAI's error object: every error answer has it, whichever of the plugin or `transformers serve` made it.
+OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("fixture", ["plain", "batched", "control"])
+def test_every_kind_of_error_is_answered_in_openais_shape(fixture, folders, request):
+    """What `transformers serve` answers in FastAPI's shapes (an unknown field and a body that is not an object: 422,
+    another model: 400 `detail`, an unknown path or method: 404/405 `detail`) gets OpenAI's error object, a 400 for
+    the client's malformed request, 404 `model_not_found` for another model; the openai SDK raises its own classes."""
+    server, reference = request.getfixturevalue(fixture)
+    name = {"plain": "learnable_plus", "batched": "svformer", "control": "llama"}[fixture]
+    kinds = {
+        "unknown field": ("POST", "/v1/completions", {"prompt": "It", "colour": "red"}, 400, "colour"),
+        "body not an object": ("POST", "/v1/completions", b"[1, 2]", 400, "valid dictionary"),
+        "another model": ("POST", "/v1/completions", {"prompt": "It", "model": "other"}, 404, "requested 'other'"),
+        "chat for another model": ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                                    "model": "other"}, 404, "requested 'other'"),
+        "unknown path": ("POST", "/v1/complete", {"prompt": "It"}, 404, "not an endpoint"),
+        "wrong method": ("GET", "/v1/completions", None, 405, "Method Not Allowed"),
+    }
+    for what, (method, path, body, status, words) in kinds.items():
+        got_status, raw = server.post(path, body) if method == "POST" else server.get(path)
+        error = json.loads(raw)["error"]
+        assert (got_status, set(error), error["type"]) == (status, OPENAI_ERROR_KEYS, "invalid_request_error"), (
+            what, got_status, raw)
+        assert words in error["message"], (what, error)
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.completions.create(model="other", prompt="It", max_tokens=2)
+    assert raised.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="colour"):
+        client.completions.create(model=str(folders[name]), prompt="It", max_tokens=2, extra_body={"colour": "red"})
+    assert server.complete(PROMPTS[1]) == reference.complete(PROMPTS[1])
 
 
 @pytest.mark.parametrize("fixture", ["plain", "batched", "control"])
@@ -232,7 +276,7 @@ def test_a_dead_batching_worker_stops_the_server_with_status_1(folders, tmp_path
         status, raw = server.post("/v1/completions", {"prompt": [SENTINEL] * 5, "max_tokens": 2})
         # 503 "CB worker died", or 500 when the server sees the failed request before the worker's death (its race:
         # transformers fails the worker's requests, then records the error that /health reads)
-        assert status in (500, 503), (status, raw)
+        assert status in (500, 503) and json.loads(raw)["error"]["type"] == "server_error", (status, raw)
         deadline, health = time.monotonic() + 5, 200
         while health == 200 and time.monotonic() < deadline:
             try:
@@ -247,14 +291,43 @@ def test_a_dead_batching_worker_stops_the_server_with_status_1(folders, tmp_path
         server.close()
 
 
-@pytest.mark.parametrize("name", ["svformer", "llama"])
-def test_sigterm_stops_a_batching_server(folders, tmp_path, name):
-    """After serving with continuous batching, SIGTERM ends the process (status 143) without a SIGKILL: transformers'
-    server leaves its batching thread, not a daemon, running after it stops, and the process with it."""
-    server = Server(folders[name], tmp_path / "stopping.log", *CB_FLAGS)
+@pytest.mark.parametrize(("name", "flags"), [("svformer", CB_FLAGS), ("llama", CB_FLAGS), ("learnable_plus", ())])
+def test_sigterm_stops_a_server_and_says_what_it_did(folders, tmp_path, name, flags):
+    """After serving, SIGTERM ends the process (status 143) without a SIGKILL (transformers' server leaves its
+    batching thread, not a daemon, running after it stops, and the process with it), and its last line says how many
+    requests it answered (issue 68: it said "nothing was done")."""
+    server = Server(folders[name], tmp_path / "stopping.log", *flags)
     try:
         assert server.complete(PROMPTS[1])[1] == MAX_TOKENS
+        assert server.chat(PROMPTS[2])[1] > 0
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 143, server.log_tail()
+        last = server.log_tail().strip().splitlines()[-1]
+        assert last == "resformer-serve: terminated; the server stopped after answering 2 generation requests", last
     finally:
         server.close()
+
+
+#: Run in the server's process before the command: SIGTERM arrives while the server loads the model.
+SIGTERM_WHILE_LOADING = """
+import os, signal
+from transformers.cli.serving import model_manager
+
+load = model_manager.ModelManager.load_model_and_processor
+
+def loading(self, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return load(self, *args, **kwargs)
+
+model_manager.ModelManager.load_model_and_processor = loading
+"""
+
+
+def test_sigterm_while_the_model_loads_says_no_request_was_answered(folders, tmp_path):
+    folder = str(folders["svformer"])
+    script = f"{SIGTERM_WHILE_LOADING}\nfrom resformer_hf.cli.serve import main\nraise SystemExit(main([{folder!r}]))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"resformer-serve: terminated; stopped while loading {folder}; no request was answered")

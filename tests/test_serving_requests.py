@@ -323,6 +323,58 @@ def test_log_probabilities_are_the_models_own(servers, name):
         assert status == 400 and f"{next(iter(fields))} cannot be streamed" in raw.decode(), raw
 
 
+def _top(tokenizer, row, top: int, chosen: int) -> dict:
+    """OpenAI's `top_logprobs` entry for a row of log-probabilities: the `top` most likely tokens by text, then the
+    chosen one (tokens that decode alike keep the likeliest's)."""
+    listed = {}
+    for candidate, value in zip(row.topk(top).indices.tolist(), row.topk(top).values.tolist()):
+        listed.setdefault(tokenizer.decode([candidate]), value)
+    listed.setdefault(tokenizer.decode([chosen]), row[chosen].item())
+    return listed
+
+
+@pytest.mark.parametrize("name", ["plain", "batched"])
+def test_echo_with_max_tokens_0_scores_the_prompt_without_generating(servers, folders, name):
+    """OpenAI's legacy scoring request as the openai SDK sends it (`echo`, `logprobs` 5, `max_tokens` 0): the prompt
+    back as the text, each of its tokens with the model's own log-probability given the tokens before it (the first:
+    null) and the 5 most likely there, no token generated (`finish_reason` "length", 0 completion tokens); a token-id
+    prompt and a one-token prompt too; `max_tokens` 0 without `echo` is a 400 that says to add it."""
+    openai = pytest.importorskip("openai")
+    server, reference = servers[name]
+    tokenizer = reference.tokenizer
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    model = str(folders["learnable_plus" if name == "plain" else "svformer"])
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    expected = _log_softmax(reference, ids)
+    answer = client.completions.create(model=model, prompt=PROMPTS[2], echo=True, logprobs=5, max_tokens=0)
+    choice, logprobs = answer.choices[0], answer.choices[0].logprobs
+    assert (choice.text, choice.finish_reason) == (PROMPTS[2], "length")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), 0)
+    assert logprobs.tokens == [tokenizer.decode([token]) for token in ids]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx([expected[i - 1, ids[i]].item() for i in range(1, len(ids))],
+                                                        abs=LOGPROB_TOLERANCE, rel=0)
+    for position in range(1, len(ids)):
+        listed = _top(tokenizer, expected[position - 1], 5, ids[position])
+        top = logprobs.top_logprobs[position]
+        assert list(top) == list(listed) and list(top.values()) == pytest.approx(list(listed.values()),
+                                                                                 abs=LOGPROB_TOLERANCE)
+    assert logprobs.text_offset == [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+
+    status, raw = server.post(COMPLETIONS, {"prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 0})
+    by_ids = json.loads(raw)["choices"][0]
+    assert status == 200 and by_ids["text"] == tokenizer.decode(ids), raw
+    assert by_ids["logprobs"]["token_logprobs"][1:] == pytest.approx(logprobs.token_logprobs[1:],
+                                                                     abs=LOGPROB_TOLERANCE, rel=0)
+    status, raw = server.post(COMPLETIONS, {"prompt": ids[:1], "echo": True, "logprobs": 5, "max_tokens": 0})
+    one = json.loads(raw)["choices"][0]
+    assert (status, one["logprobs"]["token_logprobs"], one["text"]) == (200, [None], tokenizer.decode(ids[:1])), raw
+    status, raw = server.post(COMPLETIONS, {"prompt": PROMPTS[2], "logprobs": 5, "max_tokens": 0})
+    assert status == 400 and "add echo: true" in json.loads(raw)["error"]["message"], raw
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 generates no token"):
+        client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=0)
+
+
 @pytest.mark.parametrize("name", ["plain", "batched"])
 def test_what_the_openai_sdk_sends(servers, folders, name):
     """The openai SDK's completions and chat calls with their defaults, streamed and not: `generate()`'s greedy

@@ -1,12 +1,12 @@
 """transformers' own common model tests (`ModelTesterMixin`) run against ResFormer — the default variant, SVFormer,
-dense and gated — and, as the control, against HF's Llama with the same tester, as transformers'
-tests/models/llama does.
+dense, gated and the default variant with value embeddings — and, as the control, against HF's Llama with the same
+tester, as transformers' tests/models/llama does.
 
 The mixin comes from the transformers sdist (fetched once by pip, see `transformers_mixins.py`); when pip cannot
 fetch it the module fails in CI and is skipped elsewhere (`pypi_cache.unavailable`). Each test class runs the whole
-mixin (SVFormer, dense and gated: the `VARIANT_TESTS` subset, each name checked to exist in the mixin); the mixin's own
-skips (no GPU, no flash-attention, ...) and the one this file adds (`_Environment`) apply to ResFormer and to the
-Llama control alike.
+mixin (the others: the `VARIANT_TESTS` subset, each name checked to exist in the mixin); the mixin's own skips (no
+GPU, no flash-attention, ...) and the one this file adds (`_Environment`) apply to ResFormer and to the Llama control
+alike; value embeddings skip `test_inputs_embeds_matches_input_ids`, as a table needs token ids.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ pytestmark = pytest.mark.slow
 class ModelTester:
     """Tiny configs and inputs for the mixin, as transformers' `CausalLMModelTester` makes them for Llama."""
 
-    def __init__(self, parent, config_class, variant=None, batch_size=2, seq_length=7):
-        self.parent, self.config_class, self.variant = parent, config_class, variant
+    def __init__(self, parent, config_class, variant=None, batch_size=2, seq_length=7, **fields):
+        self.parent, self.config_class, self.variant, self.fields = parent, config_class, variant, fields
         self.batch_size, self.seq_length = batch_size, seq_length
         self.is_training, self.vocab_size, self.hidden_size = True, 99, 32
         self.num_hidden_layers, self.num_attention_heads, self.num_key_value_heads = 2, 4, 2  # mixin: <= 2
@@ -65,7 +65,7 @@ class ModelTester:
         )
         if self.variant is not None:
             fields["value_residual"] = self.variant
-        return self.config_class(**fields)
+        return self.config_class(**fields, **self.fields)
 
     def prepare_config_and_inputs_for_common(self):
         input_ids = common.ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
@@ -90,9 +90,10 @@ class _Environment:
 class _ResFormerCommonTests(_Environment, common.ModelTesterMixin):
     variant = "learnable_plus"
     all_model_classes = RESFORMER_CLASSES
+    fields = {}
 
     def setUp(self):
-        self.model_tester = ModelTester(self, ResFormerConfig, self.variant)
+        self.model_tester = ModelTester(self, ResFormerConfig, self.variant, **self.fields)
 
     def test_reverse_loading_mapping(self):
         # ResFormer's one checkpoint conversion (`LambdaScaleToVector`) reshapes an old 0-dim λ_scale offset to shape
@@ -146,6 +147,17 @@ class TestSVFormerCommon(_ResFormerCommonTests, unittest.TestCase):
 @_only_variant_tests
 class TestDenseCommon(_ResFormerCommonTests, unittest.TestCase):
     variant = "dense"
+
+
+@_only_variant_tests
+class TestValueEmbeddingsCommon(_ResFormerCommonTests, unittest.TestCase):
+    """The default variant with a value-embedding table in every other layer (layer 1 of 2)."""
+
+    fields = {"value_embeddings": "alternating"}
+
+    def test_inputs_embeds_matches_input_ids(self):
+        self.skipTest("a table is looked up by token id, so inputs_embeds alone is refused (test_value_embeddings.py: "
+                      "test_inputs_embeds_alone_is_refused_naming_input_ids)")
 
 
 @_only_variant_tests

@@ -6,7 +6,7 @@
 | bad input: flags, paths, files, checkpoints (`UserInputError`), argparse usage | 2 | `<prog>: error: <what to do>` |
 | the environment refused (disk full, permissions: `OSError`) or an unexpected error | 1 | `<prog>: error: ...` |
 | Ctrl-C (SIGINT), at any time | 130 | `<prog>: interrupted ...` |
-| SIGTERM | 143 | `<prog>: terminated ...` |
+| SIGTERM, at any time | 143 | `<prog>: terminated ...` |
 
 Always one line, never a traceback (`--debug` shows it for status 1). Interrupts become exceptions, so the library's
 clean-up (removing a half-written output) runs before the command exits.
@@ -96,9 +96,9 @@ def run_command(
     """Parse `argv` and run `command(args)` under the contract above; returns the exit status."""
     handle_term = threading.current_thread() is threading.main_thread()
     if handle_term:
-        end_start_up_guard()
+        end_start_up_guard(on_terminate=_raise_terminated)
         # SIGTERM becomes an exception unless someone chose otherwise (ignored, or their own handler).
-        handle_term = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        handle_term = signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, _raise_terminated)
     if handle_term:
         signal.signal(signal.SIGTERM, _raise_terminated)
     args = None

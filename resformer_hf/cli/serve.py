@@ -90,6 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise UserInputError(f"{one_line(error.format_message())} (see {PROG} FOLDER --help)") from None
         raise
     with context, checked_requests(source, batching=bool(context.params.get("continuous_batching"))) as state:
+        args.server_state = state  # what `_stopped_note` reports on Ctrl-C or SIGTERM
         command.invoke(context)
     if state.worker_died is not None:
         print(f"{PROG}: error: the continuous-batching worker died (its error is in the log above) and the server "
@@ -99,7 +100,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_command(PROG, build_parser(), _serve, argv)
+    return run_command(PROG, build_parser(), _serve, argv, interrupted_note=_stopped_note)
+
+
+def _stopped_note(args: argparse.Namespace) -> str:
+    """What the server had done when Ctrl-C or SIGTERM stopped it (the server finishes shutting down first)."""
+    state = getattr(args, "server_state", None)
+    if state is None:
+        return "nothing was done"
+    if state.server is None or not getattr(state.server, "started", False):
+        return f"stopped while loading {args.folder}; no request was answered"
+    count = f"{state.answered} generation request{'' if state.answered == 1 else 's'}"
+    return f"the server stopped after answering {count}"
 
 
 if __name__ == "__main__":

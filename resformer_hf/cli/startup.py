@@ -1,9 +1,10 @@
-"""Ctrl-C while a command is still importing torch and transformers: one line and exit 130, not a traceback.
+"""Ctrl-C or SIGTERM while a command is still importing torch and transformers (the converter's ~20 s start-up): one
+line and exit 130 or 143, not a traceback and not a silent exit.
 
 `resformer_hf/__init__.py` imports this module before anything heavy (stdlib only), and importing it installs the
-guard (`guard_start_up`). It acts only when this process
-runs one of the package's commands; their `main` then installs the normal handling (`common.run_command`), which
-lets an interrupt clean up before exiting. Nothing has been written before that point, so exiting at once is safe.
+guard (`guard_start_up`). It acts only when this process runs one of the package's commands; their `main` then
+installs the normal handling (`common.run_command`), which lets an interrupt clean up before exiting. Nothing has been
+written before that point, so exiting at once is safe.
 """
 
 from __future__ import annotations
@@ -45,29 +46,39 @@ def running_command() -> str | None:
 IMPORT_NOISE_LOGGERS = ("torchao", "torch.utils._pytree")
 
 
+#: Each guarded signal: the handler it must have for the guard to take it (else it is ignored, as in a background job,
+#: or someone else's), the word in the message, the exit status.
+GUARDED = {signal.SIGINT: (signal.default_int_handler, "interrupted", 130),
+           signal.SIGTERM: (signal.SIG_DFL, "terminated", 143)}
+
+
 def guard_start_up() -> None:
-    """While a command starts, make SIGINT print one line and exit 130, and keep import-time warnings quiet."""
+    """While a command starts, make SIGINT and SIGTERM print one line and exit 130 / 143, and keep import-time
+    warnings quiet."""
     prog = running_command()
     if prog is None or threading.current_thread() is not threading.main_thread():
         return
     for name in IMPORT_NOISE_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return  # Ctrl-C is ignored (a background job, nohup) or handled by someone else: leave it so
 
-    def interrupted(signum, frame) -> None:
-        sys.stderr.write(f"{prog}: interrupted while starting; nothing was done\n")
+    def stopped(signum, frame) -> None:
+        _, word, status = GUARDED[signum]
+        sys.stderr.write(f"{prog}: {word} while starting; nothing was done\n")
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(status)
 
-    interrupted.start_up_guard = True
-    signal.signal(signal.SIGINT, interrupted)
+    stopped.start_up_guard = True
+    for signum, (expected, _, _) in GUARDED.items():
+        if signal.getsignal(signum) is expected:
+            signal.signal(signum, stopped)
 
 
-def end_start_up_guard() -> None:
-    """From here on Ctrl-C raises `KeyboardInterrupt` again, so clean-up code runs (only if the guard was set)."""
-    if getattr(signal.getsignal(signal.SIGINT), "start_up_guard", False):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+def end_start_up_guard(on_terminate=signal.SIG_DFL) -> None:
+    """From here on Ctrl-C raises `KeyboardInterrupt` again and SIGTERM goes to `on_terminate`, so clean-up code runs
+    (each only if the guard holds it; swapped in one call, so no SIGTERM finds the default in between)."""
+    for signum, handler in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, on_terminate)):
+        if getattr(signal.getsignal(signum), "start_up_guard", False):
+            signal.signal(signum, handler)
 
 
 guard_start_up()

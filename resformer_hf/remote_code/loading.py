@@ -1,4 +1,4 @@
-"""How transformers' loader, its distributed engines and PEFT meet a ResFormer, in three parts.
+"""How transformers' loader, its distributed engines, vocabulary resizing and PEFT meet a ResFormer, in four parts.
 
 - Loading a checkpoint refuses a value-projection layout of another variant and non-finite λ: transformers would drop
   unexpected v_proj weights or random-initialise missing ones, and for a ResFormer either means the checkpoint was
@@ -6,6 +6,7 @@
 - Parallelism: the λ are replicated wherever the weights are sharded, so tensor parallel sums their gradient over the
   ranks (`value_residual_weights`; a gated model's value gates are split by kv head instead), FSDP2 mixed precision
   gathers them in float32, and pipeline parallel is refused, because V_0 cannot cross transformers' stages.
+- `resize_token_embeddings` resizes each value-embedding table with `embed_tokens`; new rows start at zero.
 - PEFT picks default `target_modules` by `config.model_type` from tables that only know built-in models; a ResFormer
   has Llama's module names, so it gets Llama's rows. Train the λ with LoRA by naming them in `modules_to_save`:
   `LoraConfig(task_type="CAUSAL_LM", modules_to_save=LAMBDA_MODULES)`. PEFT itself is imported inside `try`, which
@@ -29,7 +30,7 @@ from transformers.utils import logging
 
 from ._compat import ALL_PARALLEL_STYLES
 from .configuration_resformer import GATE, VARIANTS, ResFormerConfig
-from .value_embeddings import VALUE_EMBEDDING_TP_PLAN
+from .value_embeddings import VALUE_EMBEDDING_TP_PLAN, ValueEmbedding
 
 # ---- loading a checkpoint -------------------------------------------------------------------------------------------
 
@@ -323,6 +324,25 @@ def gathered_parameters(module: nn.Module) -> Iterator[None]:
             yield
         finally:
             module._parameters.update(sharded)
+
+
+# ---- resizing the vocabulary ---------------------------------------------------------------------------------------
+
+
+class VocabularyResizing:
+    """`ResFormerPreTrainedModel`'s override of transformers' `_resize_token_embeddings` (which resizes only
+    `embed_tokens` and `lm_head`): every value-embedding table takes `embed_tokens`' new row count, kept rows as they
+    were and new rows at zero whatever `mean_resizing` says. A zero row adds nothing to a token's values, so a new
+    token has no table until trained and the old tokens' outputs do not move."""
+
+    def _resize_token_embeddings(self, new_num_tokens, pad_to_multiple_of=None, mean_resizing=True):
+        embeddings = super()._resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        for table in [module for module in self.modules() if isinstance(module, ValueEmbedding)]:
+            kept = table.num_embeddings  # transformers' resize: DeepSpeed ZeRO-3 gathers, the Parameter is kept
+            self._get_resized_embeddings(table, embeddings.num_embeddings, mean_resizing=False)
+            with torch.no_grad():
+                table.weight[kept:].zero_()
+        return embeddings
 
 
 # ---- PEFT ----------------------------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from .loading import (
     PIPELINE_PARALLEL_UNSUPPORTED,
     CheckpointChecks,
     ParallelismHooks,
+    VocabularyResizing,
     gathered_parameters,
     is_pipeline_stage,
     modules_kept_in_float32,
@@ -111,7 +112,7 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
 
 
 @auto_docstring
-class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, PreTrainedModel):
+class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, VocabularyResizing, PreTrainedModel):
     config: ResFormerConfig
     config_class = ResFormerConfig
     base_model_prefix = "model"

@@ -60,7 +60,8 @@ def field_problem(path: str, body: dict) -> str | None:
     temperature in [0, 2], top_p in (0, 1], seed a 64-bit integer, n a positive integer."""
     for name in GENERATION_ENDPOINTS[path]:
         value = body.get(name)
-        if value is not None and (not _is_int(value) or value < 1):
+        scoring = path == "/v1/completions" and _is_int(value) and value == 0  # echo's scoring (`logprobs`)
+        if value is not None and (not _is_int(value) or value < 1) and not scoring:
             return f"{name} must be a positive integer (the number of tokens to generate), got {value!r}"
     temperature = body.get("temperature")
     if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
@@ -261,7 +262,7 @@ def check_request(path: str, raw: bytes, facts: ModelFacts, batching: bool = Fal
             if problem is not None:
                 return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
             tokens, exact = len(prompt), True
-        problem = length_problem(tokens, exact, facts.context, requested or 1)
+        problem = length_problem(tokens, exact, facts.context, 1 if requested is None else requested)
         if problem is not None:
             return problem if len(prompts) == 1 else f"prompt {index}: {problem}"
         if facts.context is not None:

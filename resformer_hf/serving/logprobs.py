@@ -8,9 +8,11 @@ in one forward pass, and the answer carries them as OpenAI's API defines: for /v
 (`tokens`, `token_logprobs`, `top_logprobs` with the `logprobs` most likely tokens and the chosen one,
 `text_offset`), the prompt's tokens first with `echo` (the first one's log-probability null), and `echo` puts the
 prompt before the text; for chat `logprobs.content`, one entry per generated token with its `top_logprobs`. They
-are the model's own log-softmax in float32, before any temperature or filter (as vLLM's by default). The forward pass
-runs on the server's inference thread, or with continuous batching beside the engine, one at a time with its steps
-(a lock around the model's forward). `stop` is applied to every answer (`stops`).
+are the model's own log-softmax in float32, before any temperature or filter (as vLLM's by default). `echo` with
+`max_tokens` 0 is the legacy API's scoring request: the prompt and, with `logprobs`, its log-probabilities, and no
+token generated (`finish_reason` "length"); without `echo`, `max_tokens` 0 is a 400 that says to add it. The
+forward pass runs on the server's inference thread, or with continuous batching beside the engine, one at a time with
+its steps (a lock around the model's forward). `stop` is applied to every answer (`stops`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ def logprobs_problem(path: str, body: dict) -> str | None:
         if echo is not None and not isinstance(echo, bool):
             return f"echo must be true or false (whether the answer repeats the prompt), got {echo!r}"
         asked = [name for name in ("logprobs", "echo") if body.get(name) not in (None, False)]
+        if _is_int(body.get("max_tokens")) and body["max_tokens"] == 0 and echo is not True:
+            if logprobs is not None:
+                return ("logprobs with max_tokens 0 and no echo asks for the log-probabilities of no token: add "
+                        "echo: true to score the prompt (its tokens' log-probabilities, nothing generated), or ask "
+                        "for max_tokens of 1 or more")
+            return ("max_tokens 0 generates no token, so the answer would be empty: add echo: true to get the prompt "
+                    "back (with logprobs, its tokens' log-probabilities), or ask for max_tokens of 1 or more")
     elif path == "/v1/chat/completions":
         if logprobs is not None and not isinstance(logprobs, bool):
             return f"logprobs must be true or false (whether to return each token's log-probability), got {logprobs!r}"
@@ -75,6 +84,8 @@ class RequestOutputs:
     generated_ids: list[int] = field(default_factory=list)
     scored: list[tuple[float, list[tuple[int, float]]]] | None = None  #: per token after the first: (logprob, top)
     stopped: bool = False
+    #: `echo` with `max_tokens` 0, OpenAI's legacy scoring: the prompt and its log-probabilities, nothing generated
+    score_only: bool = False
 
     @classmethod
     def of(cls, kind: str, body: dict) -> RequestOutputs:
@@ -82,7 +93,8 @@ class RequestOutputs:
             top = body.get("logprobs")
         else:
             top = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
-        return cls(kind, body, top)
+        score_only = kind == "completion" and body.get("echo") is True and body.get("max_tokens") == 0
+        return cls(kind, body, top, score_only=score_only)
 
 
 #: The request being handled (each is handled in a task of its own; its manager calls run in that task).
@@ -165,7 +177,10 @@ def outputs_handler(base: type, kind: str) -> type:
 
     class OutputsHandler(base):
         def _build_generation_config(self, body: dict, model_generation_config: Any, use_cb: bool = False) -> Any:
-            _outputs.set(RequestOutputs.of(kind, body))
+            outputs = RequestOutputs.of(kind, body)
+            _outputs.set(outputs)
+            if outputs.score_only:  # a valid config (the first request's sets up the batching engine); none runs
+                body = {**body, "max_tokens": 1}
             return super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
 
         async def _non_streaming(self, request_id: str, model: Any, processor: Any, *args: Any, **kwargs: Any) -> Any:
@@ -181,6 +196,8 @@ def outputs_handler(base: type, kind: str) -> type:
             choice = answer["choices"][0]
             if outputs.stopped:
                 choice["finish_reason"] = "stop"
+            if outputs.score_only:  # as OpenAI's legacy API: no token, for want of room
+                choice["finish_reason"] = "length"
             if kind == "completion":
                 prompt = body.get("prompt")
                 prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(outputs.prompt_ids)
@@ -219,13 +236,17 @@ def outputs_manager(base: type) -> type:
             stops = stop_strings(gen_config.stop_strings)
             batching = hasattr(self, "_cb")
             tokenizer = getattr(processor, "tokenizer", processor)
-            if stops and batching:
+            outputs = _outputs.get()
+            if outputs is not None and outputs.score_only:
+                prompt = inputs["input_ids"]
+                text, input_len, ids = "", len(prompt if batching else prompt[0]), []
+                stops = []
+            elif stops and batching:
                 ids = await self._until_stop(tokenizer, inputs, gen_config, request_id, stops)
                 text, input_len = tokenizer.decode(ids, skip_special_tokens=True), len(inputs["input_ids"])
             else:
                 text, input_len, ids = await super().generate_non_streaming(model, processor, inputs, gen_config,
                                                                             request_id)
-            outputs = _outputs.get()
             if stops:
                 cut = cut_at_stop(tokenizer, text, [int(token) for token in ids], stops)
                 if cut is not None:
@@ -233,12 +254,15 @@ def outputs_manager(base: type) -> type:
                     ids = ids[:kept]
                     if outputs is not None:
                         outputs.stopped = True
-            if outputs is not None and outputs.top is not None:
+            if outputs is not None:  # `echo` of a token-id prompt decodes these
                 prompt = inputs["input_ids"]
                 outputs.prompt_ids = [int(token) for token in (prompt if batching else prompt[0])]
                 outputs.generated_ids = [int(token) for token in ids]
+            if outputs is not None and outputs.top is not None:
                 all_ids = outputs.prompt_ids + outputs.generated_ids
-                if batching:
+                if len(all_ids) < 2:  # one prompt token and nothing generated: no token has a log-probability
+                    outputs.scored = []
+                elif batching:
                     lock = _forward_lock(model)
                     outputs.scored = await asyncio.to_thread(score, model, all_ids, 1, outputs.top, lock)
                 else:

@@ -10,11 +10,12 @@ then used unchanged, every option included.
 (`uvicorn.Config` and `uvicorn.Server`, its generation state, its three request handlers and two generation
 managers), each replaced by a subclass while the server runs (the one table in `checked_requests`). They add:
 
-- `RequestChecks`, an ASGI middleware: a request the model cannot run or that the server would misread gets a 400
-  with a message (`checks`), checked off the event loop (a 5 MB prompt does not stall `/health`); `n` > 1
-  and lists of prompts are answered with every choice (`fanout`); each request is given an id of its own,
-  the key the server's engine files it under (two requests with one client `X-Request-ID` are both answered), and
-  the client's `X-Request-ID` is echoed on its answer;
+- `RequestChecks`, an ASGI middleware: every error answer in OpenAI's shape, the server's too (`openai_errors`); a
+  request the model cannot run or that the server would misread gets a 400 with a message (`checks`), checked off
+  the event loop (a 5 MB prompt does not stall `/health`); `n` > 1 and lists of prompts are answered with every
+  choice (`fanout`); each request is given an id of its own, the key the server's engine files it under (two
+  requests with one client `X-Request-ID` are both answered), and the client's `X-Request-ID` is echoed on its
+  answer;
 - OpenAI's sampling semantics, with and without continuous batching (`sampling`);
 - OpenAI's `stop`, `logprobs` / `top_logprobs` and `echo`, with and without continuous batching (`stops`,
   `logprobs`);
@@ -49,6 +50,7 @@ from .asgi import answer_json, read_body, replay, with_length
 from .checks import GENERATION_ENDPOINTS, ModelFacts, check_request, load_model_facts
 from .fanout import fan_out, part_bodies
 from .logprobs import outputs_handler, outputs_manager
+from .openai_errors import error_body, openai_errors
 from .sampling import per_request_manager, sampling_handler, seeded_manager
 
 PLUGIN_CLASSES = (
@@ -80,11 +82,12 @@ class ServerState:
     server: Any = None
     generation_state: Any = None
     worker_died: str | None = None
+    answered: int = 0  #: generation requests answered (what `resformer-serve` says it did when stopped)
 
 
 class RequestChecks:
     """ASGI middleware in front of the server's app (see the module docstring). Malformed JSON goes to the app
-    unchanged (it answers 422 itself)."""
+    unchanged (it answers FastAPI's 422, which `openai_errors` makes OpenAI's 400)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], model_source: str,
                  state: ServerState | None = None, batching: bool = False) -> None:
@@ -99,16 +102,23 @@ class RequestChecks:
         if scope.get("type") == "lifespan":
             await self._with_watchdog(scope, receive, send)
             return
+        if scope.get("type") == "http":  # every error in OpenAI's shape, the server's own and its app's
+            send = openai_errors(scope, send)
         checked = scope.get("type") == "http" and scope.get("method") == "POST"
         if not checked or scope.get("path") not in GENERATION_ENDPOINTS:
             await self.app(scope, receive, send)
             return
+        await self._checked(scope, receive, send)
+        self.state.answered += 1
+
+    async def _checked(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """A generation request: checked, fanned out or passed on (see the module docstring)."""
         scope, send = _own_request_id(scope, send)
         raw, messages = await read_body(receive)
         facts = await self._model_facts()
         plan = await asyncio.to_thread(check_request, scope["path"], raw, facts, self.batching)
         if isinstance(plan, str):
-            await answer_json(send, 400, {"error": {"message": plan, "type": "invalid_request_error"}})
+            await answer_json(send, 400, error_body(plan))
             return
         if plan is None:  # not a JSON object: the app's own answer
             await self.app(scope, replay(messages, receive), send)
