@@ -39,6 +39,7 @@ from resformer_hf import ResFormerConfig, convert_llama_checkpoint  # noqa: E402
 from resformer_hf.examples.finetune import TEXT_CHARS, VOCAB_SIZE  # noqa: E402
 from resformer_hf.hub import save_for_hub  # noqa: E402
 from resformer_hf.remote_code.configuration_resformer import VARIANTS  # noqa: E402
+from resformer_hf.remote_code.value_embeddings import NEEDS_INPUT_IDS  # noqa: E402
 from resformer_hf.text import sample_text, train_tokenizer  # noqa: E402
 
 from helpers import TINY, model_with_random_lambdas  # noqa: E402
@@ -243,6 +244,29 @@ def test_offline_value_embeddings(served, tmp_path, import_plugin):
     results = run_engine(job, tmp_path, hide_plugin=not import_plugin)
     assert_same_tokens(served, results, ("value_embeddings",))
     assert len(results["value_embeddings"]["probe"]["attention_layers"]) == TINY["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("import_plugin", [True, False])
+def test_value_embeddings_refuse_an_engine_with_prompt_embeddings_at_start(served, tmp_path, import_plugin):
+    """With `enable_prompt_embeds` vLLM hands the model embeddings only, for every request, and the tables need the
+    token ids: the engine is refused as it builds the model, with the error that says what to do, before any request
+    (it used to start and die at its first one)."""
+    job = engine_job(served, ("value_embeddings",), import_plugin=import_plugin)
+    implementation = "auto" if import_plugin else "transformers"
+    job["runs"][0]["engine_args"] = dict(enable_prompt_embeds=True, model_impl=implementation)
+    with pytest.raises(RuntimeError, match="vLLM engine process failed"):
+        run_engine(job, tmp_path, hide_plugin=not import_plugin)
+    log = (tmp_path / "engine.log").read_text()
+    assert f"ValueError: {NEEDS_INPUT_IDS}" in log, log[-3000:]
+    assert "llm = LLM(" in log and "llm.generate(" not in log, log[-3000:]  # at engine start
+
+
+def test_prompt_embeddings_engine_serves_a_resformer_without_tables(served, tmp_path):
+    """The control: with `enable_prompt_embeds` every step reaches the model as embeddings, and learnable_plus (no
+    tables; folder's remote code alone) still gives `generate()`'s greedy tokens."""
+    job = engine_job(served, ("learnable_plus",), import_plugin=False)
+    job["runs"][0]["engine_args"] = dict(enable_prompt_embeds=True)
+    assert_same_tokens(served, run_engine(job, tmp_path, hide_plugin=True), ("learnable_plus",))
 
 
 def test_offline_every_other_variant(served, tmp_path):

@@ -8,10 +8,13 @@ tables at zero start at its exact outputs and get gradient from the first step.
 from __future__ import annotations
 
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.remote_code._compat import with_cache
@@ -215,6 +218,28 @@ def test_inputs_embeds_alone_is_refused_naming_input_ids():
         model.generate(inputs_embeds=embeds, max_new_tokens=2, pad_token_id=0)
     plain = ResFormerForCausalLM(tiny_config("learnable_plus")).eval()  # without tables: still accepted
     plain(inputs_embeds=plain.model.embed_tokens(torch.randint(3, 128, (1, 5))))
+
+
+@pytest.mark.parametrize("prompt_embeds, multimodal, attention", [
+    (True, False, "vllm"), (False, True, "vllm"), (False, False, "vllm"), (True, False, "sdpa")])
+def test_a_vllm_engine_that_hands_over_embeddings_only_is_refused_as_it_builds_the_model(
+        monkeypatch, prompt_embeds, multimodal, attention):
+    """vLLM drops input_ids whenever it passes inputs_embeds (prompt embeddings, multimodal front ends): the model
+    refuses to be built in such an engine, read from vLLM's current config (a stand-in here; vLLM's own in
+    tests/test_serving_vllm.py), so the engine fails at start, not at its first request; elsewhere nothing changes."""
+    engine = SimpleNamespace(model_config=SimpleNamespace(enable_prompt_embeds=prompt_embeds,
+                                                          is_multimodal_model=multimodal))
+    monkeypatch.setitem(sys.modules, "vllm.config", SimpleNamespace(get_current_vllm_config_or_none=lambda: engine))
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "vllm", ALL_ATTENTION_FUNCTIONS["sdpa"])  # as vLLM
+    for layout in ("alternating", None):
+        config = tiny_config("learnable_plus", value_embeddings=layout)
+        config._attn_implementation_internal = attention  # what vLLM's Transformers backend sets before building
+        refused = layout is not None and attention == "vllm" and (prompt_embeds or multimodal)
+        if refused:
+            with pytest.raises(ValueError, match="vLLM: start the engine without enable_prompt_embeds"):
+                ResFormerForCausalLM(config)
+        else:
+            ResFormerForCausalLM(config)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])

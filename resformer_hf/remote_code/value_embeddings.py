@@ -18,6 +18,8 @@ Imports only torch, transformers and sibling files (copied next to `config.json`
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -30,7 +32,8 @@ GATE_CHANNELS = 12
 NEEDS_INPUT_IDS = (
     "This model has value embeddings (config.value_embeddings): each of their layers adds a row of its table indexed "
     "by the token id to its values, so it needs input_ids; inputs_embeds alone cannot give them. Pass input_ids "
-    "(generate(): input_ids, not inputs_embeds)."
+    "(generate(): input_ids, not inputs_embeds; vLLM: start the engine without enable_prompt_embeds, with which "
+    "vLLM hands the model only embeddings, for every request)."
 )
 
 
@@ -97,6 +100,15 @@ def need_token_ids(config, input_ids: torch.Tensor | None) -> None:
         raise ValueError(NEEDS_INPUT_IDS)
 
 
+def refuse_embeddings_only_engine(config) -> None:
+    """Refuse at engine start, not at its first request, a vLLM engine that hands the model embeddings only (prompt
+    embeddings, multimodal front ends: vLLM then drops input_ids). Looked up: remote code does not import vLLM."""
+    vllm_config = sys.modules.get("vllm.config") if config._attn_implementation == "vllm" else None
+    engine = vllm_config.get_current_vllm_config_or_none() if vllm_config is not None else None
+    if engine is not None and (engine.model_config.enable_prompt_embeds or engine.model_config.is_multimodal_model):
+        raise ValueError(NEEDS_INPUT_IDS)
+
+
 class ValueEmbedding(nn.Embedding):
     """A layer's table `[vocab, H_kv·D]`: a row of values per token id, un-repeated kv heads; zero at first."""
 
@@ -111,6 +123,7 @@ def attach_value_embedding(attention: nn.Module, config, layer_idx: int) -> None
     as Gemma3n's attention reads `is_kv_shared_layer`. Kept in the model's dtype (a table is vocab-sized)."""
     attention.has_value_embedding = layer_idx in config.value_embedding_layers
     if attention.has_value_embedding:
+        refuse_embeddings_only_engine(config)
         kv_dim = config.num_key_value_heads * attention.head_dim
         # read here, not from the gate: vLLM swaps the gate for its own linear, which has no `in_features`
         attention.value_embedding_channels = min(GATE_CHANNELS, config.hidden_size)
