@@ -269,6 +269,31 @@ def test_prompt_embeddings_engine_serves_a_resformer_without_tables(served, tmp_
     assert_same_tokens(served, run_engine(job, tmp_path, hide_plugin=True), ("learnable_plus",))
 
 
+@pytest.mark.parametrize("import_plugin", [True, False])
+def test_value_embeddings_under_tensor_parallel(served, tmp_path, monkeypatch, import_plugin):
+    """Two CPU ranks (`tensor_parallel_size=2`): `generate()`'s greedy tokens, with the plugin's vLLM model and from
+    the folder's remote code alone. vLLM swaps each table, vocabulary-sized, for its VocabParallelEmbedding: each rank
+    holds half its rows (the vocabulary padded to a multiple of 64), a lookup is all-reduced to every kv head's
+    columns, and the rank keeps its own head's, the one its `v_proj` and gate shards compute."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM's default: a NUMA node for each rank
+    job = engine_job(served, ("value_embeddings",), import_plugin=import_plugin)
+    job["in_process"] = False  # ranks are processes
+    implementation = "auto" if import_plugin else "transformers"
+    job["runs"][0]["engine_args"] = dict(tensor_parallel_size=2, model_impl=implementation)
+    results = run_engine(job, tmp_path, hide_plugin=not import_plugin)
+    assert_same_tokens(served, results, ("value_embeddings",))
+    kv_heads, padded = TINY["num_key_value_heads"], -(-len(served["tokenizer"]) // 64) * 64
+    expected = []
+    for rank in (0, 1):
+        share = {}
+        for layer in (1, 3):  # "alternating" at 4 layers
+            name = f"model.layers.{layer}.self_attn.value_embedding"
+            share[name] = dict(weight=[padded // 2, kv_heads * 32], tp_rank=rank)
+            share[f"{name}_gate"] = dict(heads=kv_heads // 2)
+        expected.append(share)
+    assert results["value_embeddings"]["shares"] == expected
+
+
 def test_offline_every_other_variant(served, tmp_path):
     """identity, constant, learnable, sparse, dense and NeuTRENO: `generate()`'s greedy tokens too."""
     results = run_engine(engine_job(served, OTHER_VARIANTS, import_plugin=False), tmp_path, hide_plugin=True)

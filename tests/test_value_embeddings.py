@@ -18,6 +18,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.remote_code._compat import with_cache
+from resformer_hf.remote_code.value_embeddings import gated_rows
 
 from helpers import (
     TINY,
@@ -240,6 +241,19 @@ def test_a_vllm_engine_that_hands_over_embeddings_only_is_refused_as_it_builds_t
                 ResFormerForCausalLM(config)
         else:
             ResFormerForCausalLM(config)
+
+
+def test_a_rank_of_vllms_tensor_parallel_keeps_its_own_kv_heads_of_the_all_reduced_rows():
+    """vLLM's tensor parallel swaps a table for its VocabParallelEmbedding, whose lookups return every kv head's
+    columns (all-reduced over the vocabulary shards) while the gate, like v_proj, gives this rank's heads only."""
+    table = torch.nn.Embedding(128, 2 * 8)  # 2 kv heads of 8
+    token_ids, gate = torch.tensor([[5, 9, 7]]), torch.rand(1, 3, 1)  # one head a rank
+    for rank in (0, 1):
+        table.tp_rank = rank
+        rows = gated_rows(table, gate, token_ids, torch.float32, 8)
+        expected = gate.transpose(1, 2).unsqueeze(-1) * table(token_ids)[..., 8 * rank: 8 * (rank + 1)].unsqueeze(1)
+        assert rows.shape == (1, 1, 3, 8)
+        torch.testing.assert_close(rows, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])

@@ -146,6 +146,18 @@ def fusions(model) -> list[dict]:
     return rows
 
 
+def value_embedding_shares(model) -> dict:
+    """Runs in every vLLM worker (`LLM.apply_model`): this rank's share of each value-embedding table (its weight's
+    rows and columns) and gate (its output heads), and the rank's index as the table has it (`tp_rank`)."""
+    shares = {}
+    for name, module in model.named_modules():
+        if name.endswith(".value_embedding"):
+            shares[name] = dict(weight=list(module.weight.shape), tp_rank=getattr(module, "tp_rank", None))
+        elif name.endswith(".value_embedding_gate"):  # vLLM's CPU linears may repack the weight: read the size
+            shares[name] = dict(heads=getattr(module, "output_size_per_partition", None))
+    return shares
+
+
 def count_ops(model) -> None:
     """Runs in the vLLM worker (`LLM.apply_model`): from now on, count the ops of each forward pass of `model`, one
     dict a pass: aten ops (views excluded) and vLLM's custom ops, as `tests/test_kernel_budgets.py` counts them."""
@@ -217,6 +229,7 @@ def main(job_path: str, out_path: str) -> None:
             kv_cache_bytes=job.get("engine_args", {}).get("kv_cache_memory_bytes", KV_CACHE_BYTES),
             probe=llm.apply_model(vllm_serving.probe_model)[0],
             fusions=llm.apply_model(vllm_serving.fusions)[0],
+            shares=llm.apply_model(vllm_serving.value_embedding_shares),  # every rank's
             op_counts=llm.apply_model(vllm_serving.counted_ops)[0] if run.get("count_ops") else None,
             load_seconds=loaded - start,
             generate_seconds=seconds,

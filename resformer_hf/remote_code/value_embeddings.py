@@ -146,16 +146,22 @@ def add_value_embedding(attention: nn.Module, value_states: torch.Tensor, hidden
     gate = torch.sigmoid(attention.value_embedding_gate(hidden_states[..., : attention.value_embedding_channels]))
     if torch.is_grad_enabled():
         gated = checkpoint(gated_rows, attention.value_embedding, gate, token_ids, value_states.dtype,
-                           use_reentrant=False, preserve_rng_state=False)
+                           attention.head_dim, use_reentrant=False, preserve_rng_state=False)
     else:
-        gated = gated_rows(attention.value_embedding, gate, token_ids, value_states.dtype)
+        gated = gated_rows(attention.value_embedding, gate, token_ids, value_states.dtype, attention.head_dim)
     return torch.add(value_states, gated, alpha=2.0)
 
 
-def gated_rows(table: nn.Module, gate: torch.Tensor, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """σ(W x̂)·VE[token] [B, H_kv, T, D] from the gate [B, T, H_kv] and the token ids [B, T]."""
+def gated_rows(table: nn.Module, gate: torch.Tensor, token_ids: torch.Tensor, dtype: torch.dtype,
+               head_dim: int) -> torch.Tensor:
+    """σ(W x̂)·VE[token] [B, H_kv, T, D] from the gate [B, T, H_kv] and the token ids [B, T]. vLLM's tensor parallel
+    swaps the table for its VocabParallelEmbedding (split by vocabulary; a lookup is all-reduced to every rank's kv
+    heads): a rank keeps its own heads, those of its v_proj shard."""
     batch, length, heads = gate.shape
-    rows = table(token_ids).view(batch, length, heads, -1).transpose(1, 2)
+    rows = table(token_ids)
+    if rows.shape[-1] > heads * head_dim:  # vLLM's tensor parallel
+        rows = rows.unflatten(-1, (-1, heads * head_dim))[..., table.tp_rank, :]
+    rows = rows.view(batch, length, heads, head_dim).transpose(1, 2)
     return gate.transpose(1, 2).unsqueeze(-1).to(dtype) * rows.to(dtype)
 
 
@@ -177,8 +183,9 @@ if ALL_PARALLEL_STYLES is not None and torch.distributed.is_available() and Embe
     ALL_PARALLEL_STYLES.register("value_embedding_by_kv_head", ValueEmbeddingByKvHead(shard_dim=1))
 
 #: Tensor-parallel plan of the tables and gates (split by kv head); in the plan of models with tables only.
-VALUE_EMBEDDING_TP_PLAN = {"layers.*.self_attn.value_embedding": "value_embedding_by_kv_head",
-                           "layers.*.self_attn.value_embedding_gate": "colwise"}
+#: Gate first: vLLM gives a linear the first pattern that `re.match`es its name, and the table's matches the gate's.
+VALUE_EMBEDDING_TP_PLAN = {"layers.*.self_attn.value_embedding_gate": "colwise",
+                           "layers.*.self_attn.value_embedding": "value_embedding_by_kv_head"}
 #: Modules that start at zero (`_init_weights`): a checkpoint without tables loads as the model without them
 VALUE_EMBEDDING_MODULES = (ValueEmbedding, ValueEmbeddingGate)
 
