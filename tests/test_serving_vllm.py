@@ -237,13 +237,17 @@ def test_offline_from_remote_code_alone(served, tmp_path):
 def test_offline_value_embeddings(served, tmp_path, import_plugin):
     """Value embeddings (learnable_plus with tables in layers 1 and 3): `generate()`'s greedy tokens with the
     plugin's vLLM model and from the folder's remote code alone; vLLM's cache pages hold V' + g·E[token] as the
-    model's cache does, so its bytes per token are a Llama's."""
+    model's cache does, so its bytes per token are a Llama's. A request with prompt embeddings (no token ids for the
+    tables) is refused by vLLM itself, which is started without `enable_prompt_embeds`, and the engine serves on."""
     job = engine_job(served, ("value_embeddings",), import_plugin=import_plugin)
+    job["runs"][0]["prompt_embeds_request"] = True
     if import_plugin:  # as in test_offline_with_plugin; without it, as in test_offline_from_remote_code_alone
         job["runs"][0]["engine_args"] = dict(model_impl="auto")
     results = run_engine(job, tmp_path, hide_plugin=not import_plugin)
     assert_same_tokens(served, results, ("value_embeddings",))
     assert len(results["value_embeddings"]["probe"]["attention_layers"]) == TINY["num_hidden_layers"]
+    assert results["value_embeddings"]["prompt_embeds_refusal"] == (
+        "ValueError: You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
 
 
 @pytest.mark.parametrize("import_plugin", [True, False])

@@ -190,10 +190,27 @@ def counted_ops(model) -> list[dict]:
     return model.op_counts
 
 
+def prompt_embeddings_refusal(llm, params) -> str | None:
+    """The error a request with prompt embeddings (3 zero vectors) gets, after which the engine must still serve the
+    same greedy tokens as before it; None if it was served."""
+    import torch
+
+    probe = [{"prompt_token_ids": [5, 6, 7]}]
+    before = llm.generate(probe, params, use_tqdm=False)[0].outputs[0].token_ids
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    try:
+        llm.generate([{"prompt_embeds": torch.zeros(3, hidden)}], params, use_tqdm=False)
+    except Exception as error:  # noqa: BLE001  (the test asserts on the message)
+        assert llm.generate(probe, params, use_tqdm=False)[0].outputs[0].token_ids == before
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def main(job_path: str, out_path: str) -> None:
     """Job: {"import_plugin": bool, "in_process"?: bool (default true), "runs": [{"name", "folder", "prompts":
-    [[token ids]], "max_tokens", "repeats"?, "engine_args"?}]}. For each run: one engine, greedy generation of every
-    prompt in one batch (`repeats` times), the KV cache it allocated and the probe. Writes {"name": result} as JSON."""
+    [[token ids]], "max_tokens", "repeats"?, "engine_args"?, "prompt_embeds_request"?}]}. For each run: one engine,
+    greedy generation of every prompt in one batch (`repeats` times), the KV cache it allocated and the probe, and
+    what a request with prompt embeddings got if asked. Writes {"name": result} as JSON."""
     job = json.loads(Path(job_path).read_text())
     if job.get("in_process", True):
         # The engine core and the worker in this process (~10 s per engine instead of ~50 s here): the same model
@@ -221,6 +238,7 @@ def main(job_path: str, out_path: str) -> None:
             tick = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds.append(time.perf_counter() - tick)
+        refusal = prompt_embeddings_refusal(llm, params) if run.get("prompt_embeds_request") else None
         cache = llm.llm_engine.vllm_config.cache_config
         results[run["name"]] = dict(
             tokens=[list(output.outputs[0].token_ids) for output in outputs],
@@ -230,6 +248,7 @@ def main(job_path: str, out_path: str) -> None:
             probe=llm.apply_model(vllm_serving.probe_model)[0],
             fusions=llm.apply_model(vllm_serving.fusions)[0],
             shares=llm.apply_model(vllm_serving.value_embedding_shares),  # every rank's
+            prompt_embeds_refusal=refusal,
             op_counts=llm.apply_model(vllm_serving.counted_ops)[0] if run.get("count_ops") else None,
             load_seconds=loaded - start,
             generate_seconds=seconds,
