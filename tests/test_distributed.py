@@ -8,7 +8,8 @@ unsharded model's. `learnable_plus` (the default, softmax λ with a shared λ_sc
 by a gate in every layer (sharded with its layer; by kv head, as v_proj, under tensor parallelism); a plain Llama of
 the same shape is the control. The `learnable_plus` checkpoint is written in the old layout (0-dim λ_scale), so
 sharded loading of old checkpoints is covered too. Mixed precision must keep the λ in float32; pipeline parallelism
-must refuse.
+must refuse. Under tensor parallelism `generate()` must give one process's greedy tokens on both ranks, each holding
+its kv heads' half of every value-embedding table and gate.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from helpers import TINY, mixing_parameters, model_with_random_lambdas, save_wit
 
 WORKERS = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(WORKERS))
-from engine_common import MODELS, Engine, train  # noqa: E402  (shared with the workers, which run as scripts)
+from engine_common import MODELS, Engine, greedy_tokens, train  # noqa: E402  (shared with the workers, which run as scripts)
 
 TOLERANCE = 1e-5
 RESFORMERS = [name for name in MODELS if name != "llama"]
@@ -148,7 +149,7 @@ def single_process_records(folder: Path) -> dict:
         model = AutoModelForCausalLM.from_pretrained(checkpoint)
         value_residual = getattr(model.base_model, "value_residual", None)
         with torch.no_grad():
-            extra = {"logits": model(input_ids=batch).logits.tolist()}
+            extra = {"logits": model(input_ids=batch).logits.tolist(), "greedy": greedy_tokens(model.eval(), batch)}
             if value_residual is not None:
                 extra["weights"] = value_residual().tolist()
         expected[checkpoint.name] = {**train(Engine(model), batch), **extra}
@@ -253,6 +254,39 @@ def test_tensor_parallel_matches_one_process_and_every_rank_agrees(torch_engines
     run = torch_engines[f"{check}/{name}"]
     assert_matches(run, reference[f"{name}-mha" if check == "tp_mha" else name], name)
     assert run["spread"] == 0.0  # λ gradients and values identical on both ranks (all-reduced, not per-head shares)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_tensor_parallel_generates_one_processs_greedy_tokens_and_splits_every_table_by_kv_head(
+        torch_engines, reference, name):
+    """`generate()` under tensor parallelism gives one process's greedy tokens on every rank; each rank holds its kv
+    heads' columns of every value-embedding table and gate (half of each), none of them whole."""
+    run = torch_engines[f"tp_generate/{name}"]
+    assert "error" not in run, run.get("traceback", run["error"])
+    assert run["tokens"] == reference[name]["greedy"] and run["ranks_differ"] == 0, (run["tokens"], reference[name])
+    if name != "value_embeddings":
+        return
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    vocab, kv_dim = TINY["vocab_size"], TINY["num_key_value_heads"] * head_dim
+    prefix = "model.layers.{}.self_attn.value_embedding"
+    expected = {}
+    for layer in (1, 3):
+        expected[f"{prefix.format(layer)}.weight"] = [[vocab, kv_dim // 2], [vocab, kv_dim]]
+        expected[f"{prefix.format(layer)}_gate.weight"] = [[1, 12], [2, 12]]
+    assert run["shares"] == expected and run["table_parameters"] == len(expected), run["shares"]
+
+
+def test_the_tables_decide_the_greedy_tokens_tensor_parallel_is_compared_on(data, reference):
+    """Zeroing the value_embeddings checkpoint's tables changes its greedy tokens: equal tokens under tensor
+    parallelism mean the ranks' shares were looked up, not skipped."""
+    model = AutoModelForCausalLM.from_pretrained(data / "value_embeddings").eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("value_embedding.weight"):
+                parameter.zero_()
+    assert greedy_tokens(model, torch.tensor(json.loads((data / "batch.json").read_text()))) != reference[
+        "value_embeddings"]["greedy"]
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ from resformer_hf import ResFormerConfig, convert_llama_checkpoint  # noqa: E402
 from resformer_hf.examples.finetune import TEXT_CHARS, VOCAB_SIZE  # noqa: E402
 from resformer_hf.hub import save_for_hub  # noqa: E402
 from resformer_hf.remote_code.configuration_resformer import VARIANTS  # noqa: E402
+from resformer_hf.remote_code.value_embeddings import NEEDS_INPUT_IDS  # noqa: E402
 from resformer_hf.text import sample_text, train_tokenizer  # noqa: E402
 
 from helpers import TINY, model_with_random_lambdas  # noqa: E402
@@ -294,13 +295,65 @@ def test_offline_from_remote_code_alone(served, tmp_path):
 def test_offline_value_embeddings(served, tmp_path, import_plugin):
     """Value embeddings (learnable_plus with tables in layers 1 and 3): `generate()`'s greedy tokens with the
     plugin's vLLM model and from the folder's remote code alone; vLLM's cache pages hold V' + g·E[token] as the
-    model's cache does, so its bytes per token are a Llama's."""
+    model's cache does, so its bytes per token are a Llama's. A request with prompt embeddings (no token ids for the
+    tables) is refused by vLLM itself, which is started without `enable_prompt_embeds`, and the engine serves on."""
     job = engine_job(served, ("value_embeddings",), import_plugin=import_plugin)
+    job["runs"][0]["prompt_embeds_request"] = True
     if import_plugin:  # as in test_offline_with_plugin; without it, as in test_offline_from_remote_code_alone
         job["runs"][0]["engine_args"] = dict(model_impl="auto")
     results = run_engine(job, tmp_path, hide_plugin=not import_plugin)
     assert_same_tokens(served, results, ("value_embeddings",))
     assert len(results["value_embeddings"]["probe"]["attention_layers"]) == TINY["num_hidden_layers"]
+    assert results["value_embeddings"]["prompt_embeds_refusal"] == (
+        "ValueError: You must set `--enable-prompt-embeds` to input `prompt_embeds`.")
+
+
+@pytest.mark.parametrize("import_plugin", [True, False])
+def test_value_embeddings_refuse_an_engine_with_prompt_embeddings_at_start(served, tmp_path, import_plugin):
+    """With `enable_prompt_embeds` vLLM hands the model embeddings only, for every request, and the tables need the
+    token ids: the engine is refused as it builds the model, with the error that says what to do, before any request
+    (it used to start and die at its first one)."""
+    job = engine_job(served, ("value_embeddings",), import_plugin=import_plugin)
+    implementation = "auto" if import_plugin else "transformers"
+    job["runs"][0]["engine_args"] = dict(enable_prompt_embeds=True, model_impl=implementation)
+    with pytest.raises(RuntimeError, match="vLLM engine process failed"):
+        run_engine(job, tmp_path, hide_plugin=not import_plugin)
+    log = (tmp_path / "engine.log").read_text()
+    assert f"ValueError: {NEEDS_INPUT_IDS}" in log, log[-3000:]
+    assert "llm = LLM(" in log and "llm.generate(" not in log, log[-3000:]  # at engine start
+
+
+def test_prompt_embeddings_engine_serves_a_resformer_without_tables(served, tmp_path):
+    """The control: with `enable_prompt_embeds` every step reaches the model as embeddings, and learnable_plus (no
+    tables; folder's remote code alone) still gives `generate()`'s greedy tokens."""
+    job = engine_job(served, ("learnable_plus",), import_plugin=False)
+    job["runs"][0]["engine_args"] = dict(enable_prompt_embeds=True)
+    assert_same_tokens(served, run_engine(job, tmp_path, hide_plugin=True), ("learnable_plus",))
+
+
+@pytest.mark.parametrize("import_plugin", [True, False])
+def test_value_embeddings_under_tensor_parallel(served, tmp_path, monkeypatch, import_plugin):
+    """Two CPU ranks (`tensor_parallel_size=2`): `generate()`'s greedy tokens, with the plugin's vLLM model and from
+    the folder's remote code alone. vLLM swaps each table, vocabulary-sized, for its VocabParallelEmbedding: each rank
+    holds half its rows (the vocabulary padded to a multiple of 64), a lookup is all-reduced to every kv head's
+    columns, and the rank keeps its own head's, the one its `v_proj` and gate shards compute."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM's default: a NUMA node for each rank
+    job = engine_job(served, ("value_embeddings",), import_plugin=import_plugin)
+    job["in_process"] = False  # ranks are processes
+    implementation = "auto" if import_plugin else "transformers"
+    job["runs"][0]["engine_args"] = dict(tensor_parallel_size=2, model_impl=implementation)
+    results = run_engine(job, tmp_path, hide_plugin=not import_plugin)
+    assert_same_tokens(served, results, ("value_embeddings",))
+    kv_heads, padded = TINY["num_key_value_heads"], -(-len(served["tokenizer"]) // 64) * 64
+    expected = []
+    for rank in (0, 1):
+        share = {}
+        for layer in (1, 3):  # "alternating" at 4 layers
+            name = f"model.layers.{layer}.self_attn.value_embedding"
+            share[name] = dict(weight=[padded // 2, kv_heads * 32], tp_rank=rank)
+            share[f"{name}_gate"] = dict(heads=kv_heads // 2)
+        expected.append(share)
+    assert results["value_embeddings"]["shares"] == expected
 
 
 def test_offline_every_other_variant(served, tmp_path):

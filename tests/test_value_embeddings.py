@@ -8,13 +8,17 @@ tables at zero start at its exact outputs and get gradient from the first step.
 from __future__ import annotations
 
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.remote_code._compat import with_cache
+from resformer_hf.remote_code.value_embeddings import gated_rows
 
 from helpers import (
     TINY,
@@ -215,6 +219,41 @@ def test_inputs_embeds_alone_is_refused_naming_input_ids():
         model.generate(inputs_embeds=embeds, max_new_tokens=2, pad_token_id=0)
     plain = ResFormerForCausalLM(tiny_config("learnable_plus")).eval()  # without tables: still accepted
     plain(inputs_embeds=plain.model.embed_tokens(torch.randint(3, 128, (1, 5))))
+
+
+@pytest.mark.parametrize("prompt_embeds, multimodal, attention", [
+    (True, False, "vllm"), (False, True, "vllm"), (False, False, "vllm"), (True, False, "sdpa")])
+def test_a_vllm_engine_that_hands_over_embeddings_only_is_refused_as_it_builds_the_model(
+        monkeypatch, prompt_embeds, multimodal, attention):
+    """vLLM drops input_ids whenever it passes inputs_embeds (prompt embeddings, multimodal front ends): the model
+    refuses to be built in such an engine, read from vLLM's current config (a stand-in here; vLLM's own in
+    tests/test_serving_vllm.py), so the engine fails at start, not at its first request; elsewhere nothing changes."""
+    engine = SimpleNamespace(model_config=SimpleNamespace(enable_prompt_embeds=prompt_embeds,
+                                                          is_multimodal_model=multimodal))
+    monkeypatch.setitem(sys.modules, "vllm.config", SimpleNamespace(get_current_vllm_config_or_none=lambda: engine))
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "vllm", ALL_ATTENTION_FUNCTIONS["sdpa"])  # as vLLM
+    for layout in ("alternating", None):
+        config = tiny_config("learnable_plus", value_embeddings=layout)
+        config._attn_implementation_internal = attention  # what vLLM's Transformers backend sets before building
+        refused = layout is not None and attention == "vllm" and (prompt_embeds or multimodal)
+        if refused:
+            with pytest.raises(ValueError, match="vLLM: start the engine without enable_prompt_embeds"):
+                ResFormerForCausalLM(config)
+        else:
+            ResFormerForCausalLM(config)
+
+
+def test_a_rank_of_vllms_tensor_parallel_keeps_its_own_kv_heads_of_the_all_reduced_rows():
+    """vLLM's tensor parallel swaps a table for its VocabParallelEmbedding, whose lookups return every kv head's
+    columns (all-reduced over the vocabulary shards) while the gate, like v_proj, gives this rank's heads only."""
+    table = torch.nn.Embedding(128, 2 * 8)  # 2 kv heads of 8
+    token_ids, gate = torch.tensor([[5, 9, 7]]), torch.rand(1, 3, 1)  # one head a rank
+    for rank in (0, 1):
+        table.tp_rank = rank
+        rows = gated_rows(table, gate, token_ids, torch.float32, 8)
+        expected = gate.transpose(1, 2).unsqueeze(-1) * table(token_ids)[..., 8 * rank: 8 * (rank + 1)].unsqueeze(1)
+        assert rows.shape == (1, 1, 3, 8)
+        torch.testing.assert_close(rows, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])

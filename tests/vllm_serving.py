@@ -146,6 +146,18 @@ def fusions(model) -> list[dict]:
     return rows
 
 
+def value_embedding_shares(model) -> dict:
+    """Runs in every vLLM worker (`LLM.apply_model`): this rank's share of each value-embedding table (its weight's
+    rows and columns) and gate (its output heads), and the rank's index as the table has it (`tp_rank`)."""
+    shares = {}
+    for name, module in model.named_modules():
+        if name.endswith(".value_embedding"):
+            shares[name] = dict(weight=list(module.weight.shape), tp_rank=getattr(module, "tp_rank", None))
+        elif name.endswith(".value_embedding_gate"):  # vLLM's CPU linears may repack the weight: read the size
+            shares[name] = dict(heads=getattr(module, "output_size_per_partition", None))
+    return shares
+
+
 def count_ops(model) -> None:
     """Runs in the vLLM worker (`LLM.apply_model`): from now on, count the ops of each forward pass of `model`, one
     dict a pass: aten ops (views excluded) and vLLM's custom ops, as `tests/test_kernel_budgets.py` counts them."""
@@ -178,10 +190,27 @@ def counted_ops(model) -> list[dict]:
     return model.op_counts
 
 
+def prompt_embeddings_refusal(llm, params) -> str | None:
+    """The error a request with prompt embeddings (3 zero vectors) gets, after which the engine must still serve the
+    same greedy tokens as before it; None if it was served."""
+    import torch
+
+    probe = [{"prompt_token_ids": [5, 6, 7]}]
+    before = llm.generate(probe, params, use_tqdm=False)[0].outputs[0].token_ids
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    try:
+        llm.generate([{"prompt_embeds": torch.zeros(3, hidden)}], params, use_tqdm=False)
+    except Exception as error:  # noqa: BLE001  (the test asserts on the message)
+        assert llm.generate(probe, params, use_tqdm=False)[0].outputs[0].token_ids == before
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def main(job_path: str, out_path: str) -> None:
     """Job: {"import_plugin": bool, "in_process"?: bool (default true), "runs": [{"name", "folder", "prompts":
-    [[token ids]], "max_tokens", "repeats"?, "engine_args"?}]}. For each run: one engine, greedy generation of every
-    prompt in one batch (`repeats` times), the KV cache it allocated and the probe. Writes {"name": result} as JSON."""
+    [[token ids]], "max_tokens", "repeats"?, "engine_args"?, "prompt_embeds_request"?}]}. For each run: one engine,
+    greedy generation of every prompt in one batch (`repeats` times), the KV cache it allocated and the probe, and
+    what a request with prompt embeddings got if asked. Writes {"name": result} as JSON."""
     job = json.loads(Path(job_path).read_text())
     if job.get("in_process", True):
         # The engine core and the worker in this process (~10 s per engine instead of ~50 s here): the same model
@@ -209,6 +238,7 @@ def main(job_path: str, out_path: str) -> None:
             tick = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds.append(time.perf_counter() - tick)
+        refusal = prompt_embeddings_refusal(llm, params) if run.get("prompt_embeds_request") else None
         cache = llm.llm_engine.vllm_config.cache_config
         results[run["name"]] = dict(
             tokens=[list(output.outputs[0].token_ids) for output in outputs],
@@ -217,6 +247,8 @@ def main(job_path: str, out_path: str) -> None:
             kv_cache_bytes=job.get("engine_args", {}).get("kv_cache_memory_bytes", KV_CACHE_BYTES),
             probe=llm.apply_model(vllm_serving.probe_model)[0],
             fusions=llm.apply_model(vllm_serving.fusions)[0],
+            shares=llm.apply_model(vllm_serving.value_embedding_shares),  # every rank's
+            prompt_embeds_refusal=refusal,
             op_counts=llm.apply_model(vllm_serving.counted_ops)[0] if run.get("count_ops") else None,
             load_seconds=loaded - start,
             generate_seconds=seconds,

@@ -18,6 +18,8 @@ Imports only torch, transformers and sibling files (copied next to `config.json`
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -30,7 +32,8 @@ GATE_CHANNELS = 12
 NEEDS_INPUT_IDS = (
     "This model has value embeddings (config.value_embeddings): each of their layers adds a row of its table indexed "
     "by the token id to its values, so it needs input_ids; inputs_embeds alone cannot give them. Pass input_ids "
-    "(generate(): input_ids, not inputs_embeds)."
+    "(generate(): input_ids, not inputs_embeds; vLLM: start the engine without enable_prompt_embeds, with which "
+    "vLLM hands the model only embeddings, for every request)."
 )
 
 
@@ -97,6 +100,15 @@ def need_token_ids(config, input_ids: torch.Tensor | None) -> None:
         raise ValueError(NEEDS_INPUT_IDS)
 
 
+def refuse_embeddings_only_engine(config) -> None:
+    """Refuse at engine start, not at its first request, a vLLM engine that hands the model embeddings only (prompt
+    embeddings, multimodal front ends: vLLM then drops input_ids). Looked up: remote code does not import vLLM."""
+    vllm_config = sys.modules.get("vllm.config") if config._attn_implementation == "vllm" else None
+    engine = vllm_config.get_current_vllm_config_or_none() if vllm_config is not None else None
+    if engine is not None and (engine.model_config.enable_prompt_embeds or engine.model_config.is_multimodal_model):
+        raise ValueError(NEEDS_INPUT_IDS)
+
+
 class ValueEmbedding(nn.Embedding):
     """A layer's table `[vocab, H_kv·D]`: a row of values per token id, un-repeated kv heads; zero at first."""
 
@@ -111,6 +123,7 @@ def attach_value_embedding(attention: nn.Module, config, layer_idx: int) -> None
     as Gemma3n's attention reads `is_kv_shared_layer`. Kept in the model's dtype (a table is vocab-sized)."""
     attention.has_value_embedding = layer_idx in config.value_embedding_layers
     if attention.has_value_embedding:
+        refuse_embeddings_only_engine(config)
         kv_dim = config.num_key_value_heads * attention.head_dim
         # read here, not from the gate: vLLM swaps the gate for its own linear, which has no `in_features`
         attention.value_embedding_channels = min(GATE_CHANNELS, config.hidden_size)
@@ -133,16 +146,22 @@ def add_value_embedding(attention: nn.Module, value_states: torch.Tensor, hidden
     gate = torch.sigmoid(attention.value_embedding_gate(hidden_states[..., : attention.value_embedding_channels]))
     if torch.is_grad_enabled():
         gated = checkpoint(gated_rows, attention.value_embedding, gate, token_ids, value_states.dtype,
-                           use_reentrant=False, preserve_rng_state=False)
+                           attention.head_dim, use_reentrant=False, preserve_rng_state=False)
     else:
-        gated = gated_rows(attention.value_embedding, gate, token_ids, value_states.dtype)
+        gated = gated_rows(attention.value_embedding, gate, token_ids, value_states.dtype, attention.head_dim)
     return torch.add(value_states, gated, alpha=2.0)
 
 
-def gated_rows(table: nn.Module, gate: torch.Tensor, token_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """σ(W x̂)·VE[token] [B, H_kv, T, D] from the gate [B, T, H_kv] and the token ids [B, T]."""
+def gated_rows(table: nn.Module, gate: torch.Tensor, token_ids: torch.Tensor, dtype: torch.dtype,
+               head_dim: int) -> torch.Tensor:
+    """σ(W x̂)·VE[token] [B, H_kv, T, D] from the gate [B, T, H_kv] and the token ids [B, T]. vLLM's tensor parallel
+    swaps the table for its VocabParallelEmbedding (split by vocabulary; a lookup is all-reduced to every rank's kv
+    heads): a rank keeps its own heads, those of its v_proj shard."""
     batch, length, heads = gate.shape
-    rows = table(token_ids).view(batch, length, heads, -1).transpose(1, 2)
+    rows = table(token_ids)
+    if rows.shape[-1] > heads * head_dim:  # vLLM's tensor parallel
+        rows = rows.unflatten(-1, (-1, heads * head_dim))[..., table.tp_rank, :]
+    rows = rows.view(batch, length, heads, head_dim).transpose(1, 2)
     return gate.transpose(1, 2).unsqueeze(-1).to(dtype) * rows.to(dtype)
 
 
@@ -164,8 +183,9 @@ if ALL_PARALLEL_STYLES is not None and torch.distributed.is_available() and Embe
     ALL_PARALLEL_STYLES.register("value_embedding_by_kv_head", ValueEmbeddingByKvHead(shard_dim=1))
 
 #: Tensor-parallel plan of the tables and gates (split by kv head); in the plan of models with tables only.
-VALUE_EMBEDDING_TP_PLAN = {"layers.*.self_attn.value_embedding": "value_embedding_by_kv_head",
-                           "layers.*.self_attn.value_embedding_gate": "colwise"}
+#: Gate first: vLLM gives a linear the first pattern that `re.match`es its name, and the table's matches the gate's.
+VALUE_EMBEDDING_TP_PLAN = {"layers.*.self_attn.value_embedding_gate": "colwise",
+                           "layers.*.self_attn.value_embedding": "value_embedding_by_kv_head"}
 #: Modules that start at zero (`_init_weights`): a checkpoint without tables loads as the model without them
 VALUE_EMBEDDING_MODULES = (ValueEmbedding, ValueEmbeddingGate)
 

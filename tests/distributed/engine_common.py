@@ -60,6 +60,14 @@ def lambda_table(model: torch.nn.Module) -> list | None:
     return model.value_residual_lambdas().tolist() if hasattr(model, "value_residual_lambdas") else None
 
 
+def greedy_tokens(model: torch.nn.Module, batch: torch.Tensor) -> list[list[int]]:
+    """`generate()`'s greedy continuation (8 tokens, not stopping at EOS) of 2 rows of `batch` cut to 8 tokens."""
+    with torch.no_grad():
+        output = model.generate(batch[:2, :8], max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=model.config.pad_token_id)
+    return output[:, 8:].tolist()
+
+
 def load_batch(folder: str | Path) -> torch.Tensor:
     return torch.tensor(json.loads((Path(folder) / "batch.json").read_text()))
 

@@ -2,8 +2,8 @@
 
 FSDP2 through torch's `fully_shard` (one per decoder layer, then the root) and through transformers'
 `from_pretrained(distributed_config=DistributedConfig(fsdp_size=2))`; tensor parallelism through
-`DistributedConfig(tp_plan="auto")` (GQA, MHA, and with gradient accumulation); FSDP2 mixed precision (which dtype
-the λ are mixed in); and pipeline parallelism (`pp_size=2`).
+`DistributedConfig(tp_plan="auto")` (GQA, MHA, with gradient accumulation, and greedy generation); FSDP2 mixed
+precision (which dtype the λ are mixed in); and pipeline parallelism (`pp_size=2`).
 Usage: `torchrun --nproc_per_node 2 torch_engines.py DATA_DIR OUT.json`.
 """
 
@@ -24,7 +24,7 @@ from transformers.distributed import DistributedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
-from engine_common import DataParallel, Engine, check_every_model, lambdas_seen_in_forward, train
+from engine_common import DataParallel, Engine, check_every_model, greedy_tokens, lambdas_seen_in_forward, train
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,6 +106,7 @@ def main(data_dir: str, out: str) -> None:
         "tp_gqa": partial(tensor_parallel, TensorParallel),
         "tp_mha": tensor_parallel_mha,
         "tp_accumulating": partial(tensor_parallel, TensorParallelAccumulating),
+        "tp_generate": tensor_parallel_generate,
     }
     mixing_checks = {"fsdp2_torch_bf16": fsdp2_torch_bf16, "fsdp2_transformers_bf16": fsdp2_transformers_bf16}
     results = check_every_model(data_dir, out, checks, mixing_checks)
@@ -143,6 +144,19 @@ def tensor_parallel(engine_class: type[TensorParallel], path: Path, batch: torch
 def tensor_parallel_mha(path: Path, batch: torch.Tensor) -> dict:
     """`tensor_parallel` on the model's multi-head-attention twin (`<name>-mha`, as many kv heads as heads)."""
     return tensor_parallel(TensorParallel, path.with_name(f"{path.name}-mha"), batch)
+
+
+def tensor_parallel_generate(path: Path, batch: torch.Tensor) -> dict:
+    """Greedy tokens under tensor parallelism (rank 0's, and how many tokens the other rank differs in), and the
+    shape of the share of every value-embedding table and gate this rank holds, with the whole one's."""
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto")).eval()
+    shares = {name: [list(parameter.to_local().shape), list(parameter.shape)] for name, parameter
+              in model.named_parameters() if ".value_embedding" in name and isinstance(parameter, DTensor)}
+    tokens = torch.tensor(greedy_tokens(model, batch))
+    copies = [torch.empty_like(tokens) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, tokens)
+    return {"tokens": tokens.tolist(), "ranks_differ": sum(int((c != tokens).sum()) for c in copies),
+            "shares": shares, "table_parameters": sum(".value_embedding" in n for n, _ in model.named_parameters())}
 
 
 def pipeline(path: Path, batch: torch.Tensor) -> dict:
