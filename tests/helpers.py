@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Trainer
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.examples.finetune import BLOCK_SIZE, TEXT_CHARS, VOCAB_SIZE, build_model, training_arguments
 from resformer_hf.remote_code._compat import with_cache
-from resformer_hf.remote_code.configuration_resformer import VARIANTS
+from resformer_hf.remote_code.variants import VARIANTS
 from resformer_hf.text import block_dataset, sample_text, train_tokenizer
 
 #: The size most tests use: 4 layers, GQA (4 query heads, 2 kv heads), small enough for exhaustive per-variant tests.

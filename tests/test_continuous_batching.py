@@ -20,7 +20,7 @@ from transformers.generation.continuous_batching.cache import PagedAttentionCach
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 
 from resformer_hf.integrations.paged_cache import StoredKeysValuesAllocator
-from resformer_hf.remote_code.configuration_resformer import VARIANTS
+from resformer_hf.remote_code.variants import VARIANTS
 
 from helpers import llama_config_like, randomised_model, tiny_config
 

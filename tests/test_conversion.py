@@ -356,10 +356,10 @@ def _corrupt(kind: str, src: Path, tmp_path: Path) -> tuple[list[str], str]:
         config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
         (src / "config.json").write_text(json.dumps(config))
         return [], "model_type 'gpt2' is not supported"
-    if kind == "sliding-window":
+    if kind == "unmodelled-field":  # a field of a config ResFormer does not compute is refused by name
         config = json.loads((src / "config.json").read_text())
-        (src / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 16}))
-        return [], "sliding_window=16"
+        (src / "config.json").write_text(json.dumps({**config, "attention_chunk_size": 16}))
+        return [], "config.json holds attention_chunk_size, which ResFormer does not model"
     if kind == "rope":
         config = json.loads((src / "config.json").read_text())
         config["rope_parameters"] = {"rope_type": "mrope", "rope_theta": 10000.0}
@@ -395,7 +395,7 @@ def _corrupt(kind: str, src: Path, tmp_path: Path) -> tuple[list[str], str]:
     raise ValueError(kind)
 
 
-BAD_INPUTS = ["no-config", "model-type", "sliding-window", "rope", "truncated", "bad-header", "missing-shard",
+BAD_INPUTS = ["no-config", "model-type", "unmodelled-field", "rope", "truncated", "bad-header", "missing-shard",
               "shape-mismatch", "pickle", "dst-inside-src", "dst-not-empty"]
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from resformer_hf.remote_code._compat import with_cache
-from resformer_hf.remote_code.configuration_resformer import VARIANTS
+from resformer_hf.remote_code.variants import VARIANTS
 
 from benchmarks.cost.instructions import Job, callgrind_missing, count_instructions
 from benchmarks.cost.settings import goal

@@ -16,8 +16,8 @@ from transformers import DynamicCache, LlamaForCausalLM, StaticCache
 
 from resformer_hf.remote_code._compat import with_cache
 from resformer_hf.remote_code.cache_resformer import share_first_layer_values
-from resformer_hf.remote_code.configuration_resformer import CORRECT, GATE, MIX_ALL, REUSE, VARIANTS
 from resformer_hf.remote_code.lambdas import BATCHED_SCALING_MAX_TOKENS
+from resformer_hf.remote_code.variants import CORRECT, GATE, MIX_ALL, REUSE, VARIANTS
 
 from helpers import NON_DEFAULT, decode_logits, llama_config_like, model_with_random_lambdas, tiny_config
 from reference import reference_logits
@@ -244,6 +244,7 @@ def test_a_long_prefill_without_gradient_keeps_one_scaled_copy_of_the_first_valu
     assert set(PREFILL_V0_COPIES) == set(VARIANTS), "write down the new variant's copies of V_0"
     for variant, copies in PREFILL_V0_COPIES.items():
         assert extra[variant] <= copies + PREFILL_SLACK, (variant, extra)
+    print("EXTRA", {k: round(v, 2) for k, v in extra.items()})
 
 
 #: What the paper's arithmetic lets a 6-layer prefill without gradient hold beyond Llama, in V_0-sized tensors

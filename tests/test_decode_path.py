@@ -15,8 +15,8 @@ from transformers import DynamicCache, StaticCache
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.remote_code.cache_resformer import share_cache_storage
-from resformer_hf.remote_code.configuration_resformer import PAIR, SOFTMAX, VARIANTS
 from resformer_hf.remote_code.lambdas import BATCHED_SCALING_MAX_TOKENS
+from resformer_hf.remote_code.variants import PAIR, SOFTMAX, VARIANTS
 
 from helpers import NON_DEFAULT, TINY, decode_logits, model_with_random_lambdas
 from reference import reference_logits

@@ -20,7 +20,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 
 from resformer_hf.remote_code._compat import with_cache
 from resformer_hf.remote_code.cache_resformer import share_cache_storage
-from resformer_hf.remote_code.configuration_resformer import VARIANTS
+from resformer_hf.remote_code.variants import VARIANTS
 
 from helpers import llama_config_like, model_with_random_lambdas, tiny_config
 

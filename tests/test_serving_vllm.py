@@ -38,8 +38,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # 
 from resformer_hf import ResFormerConfig, convert_llama_checkpoint  # noqa: E402
 from resformer_hf.examples.finetune import TEXT_CHARS, VOCAB_SIZE  # noqa: E402
 from resformer_hf.hub import save_for_hub  # noqa: E402
-from resformer_hf.remote_code.configuration_resformer import VARIANTS  # noqa: E402
 from resformer_hf.remote_code.value_embeddings import NEEDS_INPUT_IDS  # noqa: E402
+from resformer_hf.remote_code.variants import VARIANTS  # noqa: E402
 from resformer_hf.text import sample_text, train_tokenizer  # noqa: E402
 
 from helpers import TINY, model_with_random_lambdas  # noqa: E402

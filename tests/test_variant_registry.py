@@ -1,4 +1,4 @@
-"""The variant registry: variants are declared once, in `configuration_resformer.VARIANTS`, and everything reads it."""
+"""The variant registry: variants are declared once, in `variants.VARIANTS`, and everything reads it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 import resformer_hf
 from resformer_hf.hub.model_card import build_model_card
-from resformer_hf.remote_code import configuration_resformer as registry
+from resformer_hf.remote_code import variants as registry
 
 from helpers import model_with_random_lambdas, tiny_config
 
@@ -38,10 +38,10 @@ def _variant_rules(tree: ast.AST):
 
 
 def test_variant_names_appear_in_code_only_in_the_registry():
-    """Outside the configuration module no code compares, lists or tabulates variant names: it reads the registry."""
+    """Outside the registry no code compares, lists or tabulates variant names: it reads the registry."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "configuration_resformer.py":
+        if path.name == "variants.py":
             continue
         for item in _variant_rules(ast.parse(path.read_text(encoding="utf-8"))):
             offenders.append(f"{path.relative_to(PACKAGE)}:{item.lineno}: {item.value!r}")

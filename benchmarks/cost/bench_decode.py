@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from resformer_hf.remote_code.configuration_resformer import VARIANTS
+from resformer_hf.remote_code.variants import VARIANTS
 
 from benchmarks.common import (
     BASELINE,

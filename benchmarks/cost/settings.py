@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from resformer_hf.remote_code.configuration_resformer import PER_TOKEN, VARIANTS
+from resformer_hf.remote_code.variants import PER_TOKEN, VARIANTS
 
 
 def goal(metric: str, variant: str, hidden: int) -> float:

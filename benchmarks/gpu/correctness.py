@@ -28,7 +28,7 @@ import torch
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from resformer_hf import ResFormerConfig, ResFormerForCausalLM
-from resformer_hf.remote_code.configuration_resformer import VARIANTS
+from resformer_hf.remote_code.variants import VARIANTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from reference import reference_logits  # noqa: E402  (the test suite's independent plain-torch model)

@@ -33,6 +33,27 @@ VALUE_EMBEDDING_ARMS = (
         description="Llama with a 704-wide MLP: the parameter-matched control (+810,848 parameters)"),
 )
 
+
+def uptrain_from(base: str, name: str, fields: tuple) -> Study:
+    """uptrain_long's question for another base (issue 67): a source of that architecture pre-trained here (the
+    Llama's size, transformers' own class), converted, continued 2.5M tokens, against the source continued as it is."""
+    return Study(
+        f"uptrain_{base.removesuffix('_text')}", f"does uptrain_long's result carry over to a {name}-shaped source? "
+        f"λ alone, tables, tables + λ on a converted {name}, continued 2.5M tokens",
+        report="uptrain", settings=Settings(tokens=2_500_000, lr=1e-3, eval_every=25),
+        continuation=Continuation(source=base, source_fields=fields),
+        arms=(
+            ContinuedArm(base.removesuffix("_text"), BASELINE, description=f"(a) the {name}, continued as it is"),
+            ContinuedArm("learnable-preserve", "learnable", "preserve",
+                         description="(b) converted, λ_first = 0, λ_self = 1"),
+            ContinuedArm("value_embeddings", "none", "preserve", value_embeddings="alternating",
+                         description=f"(e) the {name} given value-embedding tables (layers 1, 3, 5, at zero), no λ"),
+            ContinuedArm("learnable-preserve+value_embeddings", "learnable", "preserve",
+                         value_embeddings="alternating", description="(f) (b) with value-embedding tables"),
+        ),
+    )
+
+
 STUDIES: dict[str, Study] = {study.name: study for study in (
     Study(
         "pretrain", "the paper's headline at CPU scale: Llama vs ResFormer variants from scratch, with seeds",
@@ -140,6 +161,12 @@ STUDIES: dict[str, Study] = {study.name: study for study in (
                          value_embeddings="alternating", description="(f) (b) with value-embedding tables"),
         ),
     ),
+    *(uptrain_from(base, name, fields) for base, name, fields in (
+        ("qwen3", "Qwen 3", (("head_dim", 32),)),  # q/k norms per head
+        # four norms a block, (1 + w) norms, √hidden embeddings, 5 sliding layers of 6 (window 32 of the 128-token
+        # context), a RoPE base per layer type, GELU-tanh
+        ("gemma3_text", "Gemma 3", (("head_dim", 32), ("query_pre_attn_scalar", 32), ("sliding_window", 32))),
+    )),
 )}
 
 

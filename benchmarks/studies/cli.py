@@ -159,8 +159,8 @@ def run_or_report(args: argparse.Namespace, argv: list[str]) -> Path | None:
         torch_device = runner.open_device(args.device, args.threads)
         only = tuned_lrs(study, overrides, store, device) if study.tuned_from else None
         arms = [arm for arm in declared_arms if not args.arms or arm in args.arms]
-        if study.continuation is not None and "llama" not in arms:
-            raise SystemExit("--arms must include 'llama': every difference is to the continued Llama")
+        if study.continuation is not None and study.baseline not in arms:
+            raise SystemExit(f"--arms must include {study.baseline!r}: every difference is to the continued source")
         runs = plan.plan(study, settings, list(args.seeds or study.seeds), arms,
                          plan.cells(study, settings, train_cells), device, continuation, only)
         if study.continuation is not None:

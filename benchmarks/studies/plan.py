@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from resformer_hf.remote_code.configuration_resformer import GATE, VARIANTS
 from resformer_hf.remote_code.value_embeddings import GATE_CHANNELS
+from resformer_hf.remote_code.variants import GATE, VARIANTS
 
-from benchmarks.common import BASELINE
 from benchmarks.studies.corpora import corpus_folder
 from benchmarks.studies.spec import Arm, Continuation, ContinuedArm, ImpossibleSettings, Settings, Study
 from benchmarks.studies.store import digest, portable_path
@@ -92,10 +91,12 @@ def split_identity(continuation: Continuation, part: str) -> dict:
 
 def uptrain_identities(settings: Settings, continuation: Continuation, arm: ContinuedArm, seed: int,
                        device: str) -> tuple[dict, dict]:
-    """(the pre-trained Llama's identity, the arm's continuation's): a continuation names the run it starts from."""
+    """(the pre-trained source's identity, the arm's continuation's): a continuation names the run it starts from."""
     size = ModelSize(settings.hidden_size, settings.layers, settings.heads, None, settings.intermediate_size)
     budget = settings.budget(continuation.pretrain_tokens, continuation.pretrain_lr)
-    start = scratch_identity(settings, BASELINE, size, continuation.pretrain_seed, device, budget)
+    start = scratch_identity(settings, continuation.source, size, continuation.pretrain_seed, device, budget)
+    if continuation.source_fields:  # only when set: the Llama's runs keep their names
+        start["model"]["source_fields"] = dict(continuation.source_fields)
     start["split"] = split_identity(continuation, "pretrain")
     identity = {"kind": "continue", "code": RUN_CODE, "device": device_kind(device), "start": digest(start),
                 "data": data_identity(settings), "split": split_identity(continuation, "continue"),

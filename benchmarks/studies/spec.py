@@ -103,10 +103,10 @@ class Arm:
 
 @dataclass(frozen=True)
 class ContinuedArm:
-    """A way to continue from the uptrain study's pre-trained Llama: itself, or a conversion of it."""
+    """A way to continue from the uptrain study's pre-trained source: itself, or a conversion of it."""
 
     name: str
-    variant: str  #: BASELINE: the Llama itself, continued
+    variant: str  #: BASELINE: the source itself, continued
     init: str | None = None  #: the converter's --init
     lambda_overrides: dict = field(default_factory=dict)  #: config fields changed after conversion (other inits)
     lambda_lr_scale: float = 1.0  #: λ learning rate = continuation lr × this
@@ -118,12 +118,22 @@ class ContinuedArm:
 
 @dataclass(frozen=True)
 class Continuation:
-    """The uptrain study's pre-training: one Llama on part of the training blocks, continued on the rest."""
+    """The uptrain study's pre-training: one source model on part of the training blocks, continued on the rest."""
 
     pretrain_tokens: int = 1_200_000
     pretrain_lr: float = 3e-3
-    pretrain_seed: int = 0  #: the Llama's init, batch order and data split
+    pretrain_seed: int = 0  #: the source's init, batch order and data split
     continue_fraction: float = 0.4  #: share of the training blocks kept for the continuation
+    #: The source's architecture, a `model_type` the converter takes (`resformer_hf.conversion.bases`), built with
+    #: transformers' own class; `source_fields`: its config fields beyond the size (a head size, Gemma 3's window)
+    source: str = BASELINE
+    source_fields: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def source_name(self) -> str:
+        from resformer_hf.conversion.bases import BASES
+
+        return BASES[self.source].name
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
-"""The uptrain study's runs: one Llama pre-trained on part of the training blocks and saved, converted with the real
-converter (`resformer_hf.convert_llama_checkpoint`) into each arm, and every arm — the Llama too — continued on the
-blocks the pre-training never saw. Checkpoints live in a work folder (default: the temp directory, named after the
-pre-training run) and are made only while a continuation still needs them.
+"""The uptrain study's runs: one source model (a Llama, or another base the converter takes, built with transformers'
+own class) pre-trained on part of the training blocks and saved, converted with the real converter
+(`resformer_hf.convert_llama_checkpoint`) into each arm, and every arm — the source too — continued on the blocks the
+pre-training never saw. Checkpoints live in a work folder (default: the temp directory, named after the pre-training
+run) and are made only while a continuation still needs them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from filelock import FileLock
-from transformers import LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from resformer_hf import ResFormerForCausalLM, convert_llama_checkpoint
@@ -37,22 +38,32 @@ def split_blocks(data: Data, continue_fraction: float, seed: int) -> tuple[Data,
             Data(data.tokenizer, data.train[permutation[cut:]], data.val))
 
 
+def source_model(shape: dict, data: Data, seq_len: int, seed: int, device):
+    """The seeded source of the identity's model shape: a Llama (`seeded_model`), or transformers' own class of the
+    source's `model_type` with its extra config fields (`Continuation.source`)."""
+    size = ModelSize(shape["hidden_size"], shape["layers"], shape["heads"], None, shape["intermediate_size"])
+    if shape["variant"] == BASELINE:
+        return seeded_model(BASELINE, size, data, seq_len, seed, device)
+    config = AutoConfig.for_model(shape["variant"], **size.fields(data, seq_len), **shape.get("source_fields", {}))
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).to(device)
+
+
 def pretrain_llama(run: PlannedRun, store: RunStore, data: Data, work_dir: Path, device, command: str,
                    description: str) -> Path:
-    """The pre-trained Llama's folder under `work_dir`, named after the stored run's validation curve (a Llama
-    trained again never meets conversions of an earlier one); trained, saved and stored first when missing. A Llama
+    """The pre-trained source's folder under `work_dir`, named after the stored run's validation curve (a source
+    trained again never meets conversions of an earlier one); trained, saved and stored first when missing. A source
     trained again (its folder lost with the temp directory) that reproduces the stored curve leaves the record as it
-    is: the continuations stored from it still describe this Llama, and their reports keep the day it was measured."""
+    is: the continuations stored from it still describe this source, and their reports keep the day it was measured.
+    The folder is called `llama` whatever the source's architecture (older work folders keep their names)."""
     record = store.record(run.identity)
     if record is not None and (checkpoint_folder(work_dir, record["result"]) / "llama" / "config.json").is_file():
         return checkpoint_folder(work_dir, record["result"]) / "llama"
     budget = Budget(**run.identity["budget"], seq_len=run.settings.seq_len)
-    print("pre-training the Llama", flush=True)
-    shape = run.identity["model"]
-    size = ModelSize(shape["hidden_size"], shape["layers"], shape["heads"], None, shape["intermediate_size"])
-    model = seeded_model(BASELINE, size, data, run.settings.seq_len, run.seed, device)
+    print(f"pre-training the {run.identity['model']['variant']} source", flush=True)
+    model = source_model(run.identity["model"], data, run.settings.seq_len, run.seed, device)
     order = batch_order(len(data.train), budget.batch_size, budget.steps, run.seed)
-    result = train(model, data, budget, order, device, label="llama pre-training")
+    result = train(model, data, budget, order, device, label=f"{run.identity['model']['variant']} pre-training")
     result["budget"] = budget.describe()
     checkpoint = checkpoint_folder(work_dir, result) / "llama"
     model.save_pretrained(checkpoint)  # before the record: a stored pre-training run has its Llama on disk
@@ -69,11 +80,13 @@ def checkpoint_folder(work_dir: Path, result: dict) -> Path:
     return work_dir / f"pretrained-{curve}"
 
 
-def converted(arm: ContinuedArm, llama: Path) -> Path:
-    """The arm's converted checkpoint, made once (beside the Llama) with the real converter. Arms share conversions
+def converted(arm: ContinuedArm, llama: Path, source: str = BASELINE) -> Path:
+    """The arm's converted checkpoint, made once (beside the source) with the real converter. Arms share conversions
     (λ alone and λ with tables both continue `learnable-preserve`), so a process beside this one may be making it:
-    the lock makes this one wait for that folder instead of converting into it too."""
-    if arm.variant in (BASELINE, "none"):  # "none": the Llama's own weights, loaded as a ResFormer (tables only)
+    the lock makes this one wait for that folder instead of converting into it too. A Llama's own weights load as a
+    ResFormer without value residual as they are (`load_arm`); another base's (`source`, its model type) are
+    converted to one (`none`)."""
+    if arm.variant == BASELINE or (arm.variant == "none" and source == BASELINE):
         return llama
     destination = llama.parent / f"{arm.variant}-{arm.init}"
     with FileLock(llama.parent / f".{destination.name}.converting"):
@@ -85,8 +98,8 @@ def converted(arm: ContinuedArm, llama: Path) -> Path:
 
 
 def load_arm(arm: ContinuedArm, checkpoint: Path, device):
-    if arm.variant == BASELINE:
-        return LlamaForCausalLM.from_pretrained(checkpoint).to(device)
+    if arm.variant == BASELINE:  # the source itself: a Llama, or transformers' class of its model type
+        return AutoModelForCausalLM.from_pretrained(checkpoint).to(device)
     tables = {"value_embeddings": arm.value_embeddings} if arm.value_embeddings else {}  # loaded at zero
     none = {"value_residual": "none"} if arm.variant == "none" else {}
     return ResFormerForCausalLM.from_pretrained(checkpoint, **arm.lambda_overrides, **tables, **none).to(device)
@@ -149,7 +162,7 @@ def train_missing_continuations(runs: list[PlannedRun], store: RunStore, device,
         llama = pretrain_llama(start, store, pre, folder, device, command, description)
 
     def train(run: PlannedRun) -> tuple[dict, dict]:
-        result = continue_arm(run, cont, converted(run.arm, llama), device)
+        result = continue_arm(run, cont, converted(run.arm, llama, start.identity["model"]["variant"]), device)
         return result, provenance(device, description, command)
 
     return share_out(todo, store, train, fresh=fresh)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from ..conversion import DTYPES, INITS, convert_llama_checkpoint
 from ..hub.refresh_code import refresh_remote_code
-from ..remote_code.configuration_resformer import DEFAULT_CONVERSION_VARIANT, convertible_variants
+from ..remote_code.variants import DEFAULT_CONVERSION_VARIANT, convertible_variants
 from .common import OneLineParser, add_debug_flag, run_command
 
 PROG = "resformer-convert"

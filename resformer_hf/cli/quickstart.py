@@ -10,7 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ..remote_code.configuration_resformer import DEFAULT_VARIANT, convertible_variants
+from ..remote_code.variants import DEFAULT_VARIANT, convertible_variants
 from .common import OneLineParser, add_debug_flag, positive_float, positive_int, run_command, seed
 
 PROG = "resformer-quickstart"

@@ -1,8 +1,9 @@
 """From the source's `config.json` to a `ResFormerConfig`: options, field checks, and sizes bounded by the weights.
 
-Variant facts come from the registry in `configuration_resformer` at call time, so a variant added there converts
-without touching this module. Everything a user can get wrong in `config.json` becomes a `ConversionError` naming
-the field, and the sizes that decide how much gets built are checked against the weight headers before anything is.
+Variant facts come from the registry in `variants.py` at call time, so a variant added there converts without
+touching this module; each base's facts come from `bases.py`. Everything a user can get wrong in `config.json`, and
+everything it holds that ResFormer does not compute, becomes a `ConversionError` naming the field, and the sizes that
+decide how much gets built are checked against the weight headers before anything is.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ from ..remote_code.configuration_resformer import (
     convertible_variants,
     output_preserving_variants,
 )
+from .bases import BASES, TEXT_MODEL_OF, neutral_value
 from .report import ConversionError
 from .safetensors_io import TensorInfo
 
 INITS = ("preserve", "paper")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(BASES)
+#: Source fields that say where a config came from, not what the model computes.
+_PROVENANCE_FIELDS = ("model_type", "transformers_version", "architectures", "_name_or_path", "auto_map")
 
-#: Size fields of a Llama-layout config.json: each must be a positive integer when given (True: null allowed too).
+#: Size fields of a decoder's config.json: each must be a positive integer when given (True: null allowed too).
 _SIZE_FIELDS = {
     "vocab_size": False,
     "hidden_size": False,
@@ -72,10 +76,15 @@ def check_source_config(source_config: dict) -> None:
     model_type = source_config.get("model_type")
     if model_type == ResFormerConfig.model_type:
         raise ConversionError("SRC is already a ResFormer checkpoint; nothing to convert.")
+    if model_type in TEXT_MODEL_OF:
+        raise ConversionError(
+            f"model_type {model_type!r} is a multimodal model; only its text model converts: model_type "
+            f"{TEXT_MODEL_OF[model_type]}."
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConversionError(
-            f"model_type {model_type!r} is not supported: only Llama-layout decoders convert "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)})."
+            f"model_type {model_type!r} is not supported: the decoders that convert are "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
     architectures = source_config.get("architectures") or []
     if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
@@ -133,40 +142,41 @@ def lambda_fields(variant: str, init: str) -> dict:
 def build_resformer_config(
     source_config: dict, *, variant: str, init: str, dtype: torch.dtype | None = None, value_embeddings=None
 ) -> ResFormerConfig:
-    """The ResFormer config for a Llama-layout source config (a `config.json` dict), or a `ConversionError` that
-    names the field or the feature the ResFormer model does not implement."""
+    """The ResFormer config for a source config (a `config.json` dict of one of `bases.BASES`), or a
+    `ConversionError` that names the field or the feature the ResFormer model does not implement."""
     from transformers import AutoConfig
 
     check_source_config(source_config)
     model_type = source_config["model_type"]
-    fields = {k: v for k, v in source_config.items() if k not in ("model_type", "transformers_version", "auto_map")}
+    base = BASES[model_type]
+    fields = {k: v for k, v in source_config.items() if k not in _PROVENANCE_FIELDS}
     try:
         parsed = AutoConfig.for_model(model_type, **fields)
     except Exception as error:  # transformers' strict dataclass checks raise several types; all mean "bad field"
         raise ConversionError(f"config.json does not parse as a {model_type} config: {error}") from error
 
-    rope = parsed.rope_parameters or {}
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else None
-    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ConversionError(f"rope_parameters {rope} are not implemented by Llama's rotary embedding.")
-    window = getattr(parsed, "sliding_window", None)
-    layer_types = getattr(parsed, "layer_types", None) or []
-    uses_window = window is not None and (model_type == "mistral" or "sliding_attention" in layer_types)
-    if uses_window and window < parsed.max_position_embeddings:
-        raise ConversionError(
-            f"sliding_window={window} < max_position_embeddings={parsed.max_position_embeddings}: sliding-window "
-            "attention is not implemented by ResFormer (only full attention, or a window covering the whole context)."
-        )
-    other_layer_types = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-    if other_layer_types:
-        raise ConversionError(f"layer_types {other_layer_types} are not implemented by ResFormer.")
-
-    kwargs = parsed.to_dict()
-    for key in ("model_type", "transformers_version", "architectures", "_name_or_path", "sliding_window",
-                "use_sliding_window", "max_window_layers", "layer_types"):
-        kwargs.pop(key, None)
-    if model_type == "qwen2":
-        # Qwen2 has q/k/v biases and no o_proj bias; Llama's flag adds all four, so o_proj gets an exact zero bias.
+    source = parsed.to_dict()
+    rope = source.get("rope_parameters") or {}
+    by_type = rope.values() if any(isinstance(value, dict) for value in rope.values()) else [rope]
+    for parameters in by_type:
+        rope_type = parameters.get("rope_type", "default") if isinstance(parameters, dict) else None
+        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+            raise ConversionError(f"rope_parameters {rope} are not implemented by transformers' rotary embeddings.")
+    kwargs = {k: v for k, v in source.items() if k not in _PROVENANCE_FIELDS and k not in base.consumed}
+    for name, neutral in base.neutral.items():
+        value = kwargs.pop(name, neutral)
+        if not neutral_value(value, neutral):
+            raise ConversionError(f"config.json: {name}={value!r} is not implemented by ResFormer (only {neutral!r}, "
+                                  f"as {base.name} ships it); such a {model_type} checkpoint does not convert.")
+    kwargs.update(base.architecture)
+    kwargs.update(base.derive(source) if base.derive else {})
+    unmodelled = sorted(set(kwargs) - set(ResFormerConfig().to_dict()))
+    if unmodelled:
+        raise ConversionError(f"config.json holds {', '.join(unmodelled)}, which ResFormer does not model; a "
+                              f"{model_type} checkpoint with {'it' if len(unmodelled) == 1 else 'them'} does not "
+                              "convert.")
+    if base.qkv_bias_only:
+        # q/k/v biases and no o_proj bias; Llama's flag adds all four, so o_proj gets an exact zero bias.
         kwargs["attention_bias"] = True
     if dtype is not None:
         kwargs["dtype"] = str(dtype).removeprefix("torch.")

@@ -18,7 +18,7 @@ import torch
 from transformers.utils import logging
 
 from ..hub import finish_hub_folder
-from ..remote_code.configuration_resformer import DEFAULT_CONVERSION_VARIANT
+from ..remote_code.variants import DEFAULT_CONVERSION_VARIANT
 from .config import (
     build_resformer_config,
     check_options,

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..remote_code.configuration_resformer import ResFormerConfig
+from .bases import BASES
 from .report import ConversionError, short_list
 from .safetensors_io import TensorInfo
 from .source import output_shard_name
@@ -21,7 +22,9 @@ from .source import output_shard_name
 _ROTARY_BUFFER = re.compile(r"\.rotary_emb\.inv_freq$")
 _V_PROJ = re.compile(r"^model\.layers\.(\d+)\.self_attn\.v_proj\.")
 _O_PROJ_BIAS = re.compile(r"^model\.layers\.(\d+)\.self_attn\.o_proj\.bias$")
-_VALUE_RESIDUAL_PREFIX = "model.value_residual."
+#: Mixing weights stored as offsets from their initial values (zero: the config's start), float32: every λ, and
+#: DenseFormer's depth weights (zero: the plain residual stream)
+_OFFSET_PREFIXES = ("model.value_residual.", "model.depth_weighted_average.")
 
 
 @dataclass
@@ -99,7 +102,7 @@ def plan_conversion(
         elif name not in expected:
             raise ConversionError(
                 f"{info.path.name} has tensor {name}, which a {model_type} checkpoint converted to ResFormer cannot "
-                "hold; only Llama-layout weights convert."
+                "hold; the checkpoint does not match its config.json's architecture."
             )
         elif info.shape != expected[name][0]:
             raise ConversionError(
@@ -114,13 +117,14 @@ def plan_conversion(
     added = []
     missing = [name for name in expected if name not in inventory]
     for name in missing:
-        if name.startswith(_VALUE_RESIDUAL_PREFIX) or _is_value_gate(model, name):
-            # λ offsets and value gates are zero: the config holds the initial values (the mix g0 for every token)
+        if name.startswith(_OFFSET_PREFIXES) or _is_value_gate(model, name):
+            # λ and depth-weight offsets and value gates are zero: the config holds the initial values (the mix g0
+            # for every token, DenseFormer's plain residual stream)
             target = ordered[-1]
         elif ".self_attn.value_embedding" in name:  # value embeddings: zero tables and gates, in the weights' dtype
             target = ordered[-1]
             expected[name] = (expected[name][0], dtype or inventory["model.embed_tokens.weight"].dtype)
-        elif model_type == "qwen2" and _O_PROJ_BIAS.match(name):
+        elif BASES[model_type].qkv_bias_only and _O_PROJ_BIAS.match(name):
             weight = name.removesuffix("bias") + "weight"
             target = next(plan for plan in ordered if weight in plan.tensors)
             expected[name] = (expected[name][0], target.tensors[weight].dtype)

@@ -19,7 +19,7 @@ from ..conversion import ConversionError, ConversionReport, convert_llama_checkp
 from ..conversion.staging import OutputPathError, StagedDirectory, check_output_path
 from ..errors import first_line
 from ..hub import save_for_hub, upload_folder_to_hub
-from ..remote_code.configuration_resformer import DEFAULT_VARIANT, convertible_variants, output_preserving_variants
+from ..remote_code.variants import DEFAULT_VARIANT, convertible_variants, output_preserving_variants
 from ..text import train_tokenizer
 from .steps import (
     SAMPLING,

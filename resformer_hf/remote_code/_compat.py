@@ -73,6 +73,9 @@ warn_if_untested()
 
 from transformers.cache_utils import Cache  # noqa: E402  (after the version check)
 from transformers.masking_utils import create_causal_mask as _create_causal_mask  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    create_sliding_window_causal_mask as _create_sliding_window_causal_mask,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer as _GradientCheckpointingLayer  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaModel  # noqa: E402
 from transformers.utils import is_torchdynamo_compiling, logging  # noqa: E402
@@ -170,6 +173,15 @@ def create_causal_mask(*, cache: Cache | None, **kwargs: Any):
     return _create_causal_mask(**kwargs, **{CACHE_ARGUMENT: cache})
 
 
+def create_sliding_window_causal_mask(*, cache: Cache | None, **kwargs: Any):
+    """transformers' `create_sliding_window_causal_mask` (the window is `config.sliding_window`), likewise."""
+    return _create_sliding_window_causal_mask(**kwargs, **{CACHE_ARGUMENT: cache})
+
+
+#: The mask of each of transformers' layer types.
+CAUSAL_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
 def generation_cache(model_kwargs: dict) -> Cache | None:
     """The cache `generate()` prepared in its model kwargs."""
     return model_kwargs.get(CACHE_ARGUMENT)
@@ -224,6 +236,7 @@ except ImportError:
 __all__ = [
     "ALL_PARALLEL_STYLES",
     "CACHE_ARGUMENT",
+    "CAUSAL_MASKS",
     "CACHE_RENAMED",
     "GradientCheckpointingLayer",
     "NEWEST_TESTED",
@@ -232,6 +245,7 @@ __all__ = [
     "UntestedTransformersWarning",
     "accepts_cache",
     "create_causal_mask",
+    "create_sliding_window_causal_mask",
     "generation_cache",
     "model_output",
     "refuse_unread_cache",

@@ -9,18 +9,22 @@ Copied next to `config.json` for `trust_remote_code`, so it imports only torch, 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaAttention, apply_rotary_pos_emb, eager_attention_forward
+from transformers.models.llama.modeling_llama import LlamaAttention, eager_attention_forward
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from ._compat import is_paged_cache, update_cache
+from .architecture import HEAD, PROJECTION, SLIDING
+from .base_blocks import apply_rotary_pos_emb, rms_norm
 from .cache_resformer import share_key_value_projections, shared_keys_values_queries
-from .configuration_resformer import CORRECT, GATE, MIX, MIX_ALL, PLAIN, REUSE, ResFormerConfig
+from .configuration_resformer import ResFormerConfig
 from .depth_weighted_average import dense_values
 from .value_embeddings import add_value_embedding, attach_value_embedding
 from .value_residual import ResidualValues, ValueGate, corrected_output, gated_values, hand_on, mixed_values
+from .variants import CORRECT, GATE, MIX, MIX_ALL, PLAIN, REUSE
 
 
 class ResFormerAttention(LlamaAttention):
@@ -44,6 +48,17 @@ class ResFormerAttention(LlamaAttention):
             self.gate_shift = config.value_residual_lambda_first_resolved - 0.5  # g0 − σ(0)
         share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
         attach_value_embedding(self, config, layer_idx)  # value embeddings: this layer's table and gate, if it has one
+        # The base (`architecture.py`): q/k norms, RoPE or none, a sliding window, Gemma 3's score scale
+        self.qk_norm, self.q_norm, self.k_norm = config.qk_norm, None, None
+        if self.qk_norm is not None:
+            per_head = self.qk_norm == HEAD
+            self.q_norm = rms_norm(config, self.head_dim * (1 if per_head else config.num_attention_heads))
+            if self.k_proj is not None:  # a cross-layer-attention consumer's keys are its producer's, normed there
+                self.k_norm = rms_norm(config, self.head_dim * (1 if per_head else config.num_key_value_heads))
+        self.uses_rope = layer_idx not in (config.nope_layers or ())
+        self.sliding_window = config.sliding_window if config.attention_types[layer_idx] == SLIDING else None
+        if config.query_pre_attn_scalar is not None:
+            self.scaling = float(config.query_pre_attn_scalar) ** -0.5
 
     def forward(
         self, hidden_states: torch.Tensor, residual_values: ResidualValues | None, lambda_first, lambda_self,
@@ -58,8 +73,8 @@ class ResFormerAttention(LlamaAttention):
 
         # Llama's projections, named apart from what is computed from them below: vLLM's fuser makes them one GEMM
         # only where it can see that nothing between them changes what they read
-        queries = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        keys = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        queries = self.q_proj(hidden_states)
+        keys = self.k_proj(hidden_states)
         own_values = None  # SVFormer's layers n >= 1 have no v_proj: they attend over V_0
         if self.v_proj is not None:
             own_values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -68,8 +83,11 @@ class ResFormerAttention(LlamaAttention):
                                                     lambda_self)
         value_states = add_value_embedding(self, value_states, hidden_states, value_embedding_ids)  # value embeddings
 
-        cos, sin = position_embeddings
-        query_states, key_states = apply_rotary_pos_emb(queries, keys, cos, sin)
+        query_states = self.normed(queries, self.q_norm, hidden_shape)
+        key_states = self.normed(keys, self.k_norm, hidden_shape)
+        if self.uses_rope:  # SmolLM3's NoPE layers have none
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
 
         # With cross-layer attention, the next layer attends over these K and V: in the paged cache the tokens' own,
         # which it updates the pages with as this layer does; elsewhere the cached ones this update returns.
@@ -83,7 +101,8 @@ class ResFormerAttention(LlamaAttention):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+            sliding_window=self.sliding_window, **kwargs,
         )
         # Attention returns [B, T, H_q, D] here, [T, H_q·D] in vLLM.
         if self.value_role == CORRECT:  # main diff with Llama: NeuTRENO's o_proj(A_n V_n + λ(V_0 − V_n))
@@ -92,6 +111,16 @@ class ResFormerAttention(LlamaAttention):
         else:
             attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
         return attn_output, attn_weights, residual_values, next_keys_values
+
+    def normed(self, projected: torch.Tensor, norm: nn.Module | None, hidden_shape: tuple) -> torch.Tensor:
+        """Queries or keys [B, H, T, D] from their projection [B, T, H·D], through the base's q/k norm if it has one:
+        over the whole projection (OLMo 2) or over each head (Qwen 3, Gemma 3)."""
+        if self.qk_norm == PROJECTION:
+            projected = norm(projected)
+        states = projected.view(hidden_shape)
+        if self.qk_norm == HEAD:
+            states = norm(states)
+        return states.transpose(1, 2)
 
     def values(self, own: torch.Tensor | None, hidden_states: torch.Tensor, residual_values: ResidualValues | None,
                lambda_first, lambda_self) -> tuple[torch.Tensor, ResidualValues | None]:
@@ -137,7 +166,8 @@ class ResFormerSharedKeysValuesAttention(ResFormerAttention):
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+            sliding_window=self.sliding_window, **kwargs,
         )
         attn_output = self.o_proj(attn_output.reshape(*input_shape, -1).contiguous())
         return attn_output, attn_weights, residual_values, shared_keys_values

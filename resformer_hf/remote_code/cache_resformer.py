@@ -35,12 +35,15 @@ class KeyValueSource(NamedTuple):
 
 def key_value_sources_of(config: Any) -> list[KeyValueSource]:
     """For each layer of `config`: from the two lists a ResFormer config has (older remote code's too), else (any
-    other model) every layer its own."""
+    other model) every layer its own. SVFormer's layers attend over V_0: every full-attention layer reads it from the
+    first of them (layer 0 of a Llama), a windowed layer keeps its own window of it (those tokens only)."""
     sources = getattr(config, "key_value_source_layers", None)
     if sources is None:
         return [KeyValueSource(layer, layer) for layer in range(getattr(config, "num_hidden_layers", 0) or 0)]
     reads_first = set(getattr(config, "layers_without_value_projection", None) or ())
-    return [KeyValueSource(keys=source, values=0 if layer in reads_first else source)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * len(sources)
+    full = [layer for layer, kind in enumerate(types) if kind == "full_attention"]
+    return [KeyValueSource(keys=source, values=full[0] if layer in reads_first and layer in full else source)
             for layer, source in enumerate(sources)]
 
 
@@ -58,18 +61,20 @@ def shared_keys_values_queries(
     shared_keys_values: tuple[torch.Tensor | None, torch.Tensor | None],
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
-    """A consumer layer's own queries with RoPE as Llama applies it ([B, H_q, T, D]), after checking that the
-    producer's keys and values were handed to it."""
+    """A consumer layer's own queries ([B, H_q, T, D]) as its attention makes them (the base's q norm, RoPE unless the
+    layer has none), after checking that the producer's keys and values were handed to it."""
     if shared_keys_values[0] is None or shared_keys_values[1] is None:
         raise ValueError(
             f"Layer {attention.layer_idx} attends over an earlier layer's keys and values (cross_layer_attention), "
             "but none were handed to it: run the whole decoder stack, not this layer alone."
         )
-    input_shape = hidden_states.shape[:-1]
-    query_states = attention.q_proj(hidden_states).view(*input_shape, -1, attention.head_dim).transpose(1, 2)
+    hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
+    query_states = attention.normed(attention.q_proj(hidden_states), attention.q_norm, hidden_shape)
+    if not attention.uses_rope:
+        return query_states
     cos, sin = position_embeddings
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (query_states * cos) + (rotate_half(query_states) * sin)
+    return ((query_states * cos) + (rotate_half(query_states) * sin)).to(query_states.dtype)  # as the attention
 
 
 def share_key_value_projections(attention: nn.Module, config) -> None:
@@ -225,19 +230,20 @@ def _shared_values_layer(layer: Any, producer: Any) -> Any:
     return None
 
 
-def share_first_layer_values(cache: Cache) -> Cache:
-    """Make layers n >= 1 of an empty SVFormer cache store keys only and read layer 0's values; returns `cache`.
+def share_first_layer_values(cache: Cache, sources: list[KeyValueSource] | None = None) -> Cache:
+    """Make every SVFormer layer whose `sources` entry names another layer's values (the first full-attention layer;
+    None: layer 0, for every layer) store keys only and read that layer's values, in an empty cache; returns `cache`.
 
     Only stock full-attention layers (`DynamicLayer`, `StaticLayer`) of a cache that holds no tokens yet and is not
-    offloaded are replaced (offloading moves layer 0's values to the CPU while later layers still need them); any other
-    cache is returned unchanged and stays correct, just without the saving.
+    offloaded are replaced (offloading moves the producer's values to the CPU while later layers still need them); any
+    other cache (and layer) is returned unchanged and stays correct, just without the saving.
     """
     layers = getattr(cache, "layers", None)
     if not layers or getattr(cache, "offloading", False) or cache.get_seq_length() > 0:
         return cache
-    producer = layers[0]
-    for index in range(1, len(layers)):
-        replacement = _shared_values_layer(layers[index], producer)
+    sources = sources or [KeyValueSource(index, 0) for index in range(len(layers))]
+    for index, source in enumerate(sources[: len(layers)]):
+        replacement = None if source.values == index else _shared_values_layer(layers[index], layers[source.values])
         if replacement is None:
             continue
         if layers[index].is_initialized:  # early-initialised (e.g. for chunked prefill): keep it so, keys only
@@ -367,8 +373,8 @@ def share_cache_storage(cache: Cache, config: Any) -> Cache:
     """Store in `cache` only what a model with `config` needs: V_0 once (SVFormer), K and V once per layer group
     (cross-layer attention), or both; returns `cache`."""
     sources = key_value_sources_of(config)
-    if any(source.values != source.keys for source in sources):  # SVFormer: layer 0's values, its own keys
-        share_first_layer_values(cache)
+    if any(source.values != source.keys for source in sources):  # SVFormer: V_0 once, its own keys
+        share_first_layer_values(cache, sources)
     if any(source.keys != layer for layer, source in enumerate(sources)):
         share_cross_layer_keys_values(cache, [source.keys for source in sources])
     return cache

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .configuration_resformer import CORRECT, DENSE, MIX, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX, ResFormerConfig
+from .configuration_resformer import ResFormerConfig
 from .loading import gathered_parameters
+from .variants import CORRECT, DENSE, MIX, MIX_ALL, PAIR, PLAIN, REUSE, SOFTMAX
 
 #: Up to this many tokens without gradient (a decode step, a speculative draft) layer 0 scales V_0 for every receiver
 #: at once; beyond it (prefill) each receiver scales it, holding one scaled copy at a time instead of R.

@@ -29,8 +29,10 @@ from transformers.core_model_loading import ConversionOps, WeightConverter
 from transformers.utils import logging
 
 from ._compat import ALL_PARALLEL_STYLES
-from .configuration_resformer import GATE, VARIANTS, ResFormerConfig
+from .architecture import HEAD, PROJECTION
+from .configuration_resformer import ResFormerConfig
 from .value_embeddings import VALUE_EMBEDDING_TP_PLAN, ValueEmbedding
+from .variants import GATE, VARIANTS
 
 # ---- loading a checkpoint -------------------------------------------------------------------------------------------
 
@@ -285,6 +287,9 @@ class ParallelismHooks:
             self._tp_plan.update(VALUE_GATE_TP_PLAN)
         if self.base_model is self and self.config.value_embedding_layers:  # value embeddings: split by kv head
             self._tp_plan.update(VALUE_EMBEDDING_TP_PLAN)
+        if self.base_model is self and self.config.qk_norm == HEAD:  # one norm over each head: as Qwen 3's plan has it
+            self._tp_plan.update(dict.fromkeys(("layers.*.self_attn.q_norm", "layers.*.self_attn.k_norm"),
+                                               "replicated_with_grad_allreduce"))
 
     @classmethod
     def prepare_distribute_model(cls, distributed_config, device_map=None):
@@ -301,6 +306,9 @@ class ParallelismHooks:
         """transformers' parallelism, with the λ gathered in float32 under `fsdp_mixed_precision`
         (`parallelism.gather_in_float32`). A transformers hook (`DistributedMixin`): `from_pretrained` calls it once
         the model is built (on the meta device), before the weights are loaded."""
+        if (getattr(distributed_config, "tp_size", None) or 1) > 1 and model.config.qk_norm == PROJECTION:
+            raise ValueError("qk_norm='projection' (OLMo 2's norms over the whole q/k projection) does not split by "
+                             "head, as tensor parallelism splits q and k; use FSDP2 (DistributedConfig(fsdp_size=N)).")
         model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
         if mesh_manager is not None and distributed_config.dp_size > 1 and distributed_config.fsdp_mixed_precision:
             gather_in_float32(model.base_model.value_residual)

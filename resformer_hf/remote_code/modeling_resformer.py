@@ -22,12 +22,7 @@ from transformers.modeling_layers import (
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.models.auto import modeling_auto
-from transformers.models.llama.modeling_llama import (
-    LlamaForCausalLM,
-    LlamaMLP,
-    LlamaRMSNorm,
-    LlamaRotaryEmbedding,
-)
+from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, auto_docstring
 
@@ -37,14 +32,16 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ._compat import (
     CACHE_ARGUMENT,
+    CAUSAL_MASKS,
     GradientCheckpointingLayer,
     accepts_cache,
-    create_causal_mask,
     generation_cache,
     model_output,
     refuse_unread_cache,
 )
+from .architecture import PRE, SANDWICH, rope_by_layer_type
 from .attention_resformer import ResFormerAttention, ResFormerSharedKeysValuesAttention
+from .base_blocks import init_base_block, rms_norm, rotary_embedding, token_embedding
 from .cache_resformer import new_dynamic_cache, share_cache_storage
 from .configuration_resformer import ResFormerConfig
 from .depth_weighted_average import DepthWeightedAverage
@@ -68,20 +65,29 @@ register_checkpoint_conversion_mapping(ResFormerConfig.model_type, LAMBDA_CHECKP
 
 
 class ResFormerDecoderLayer(GradientCheckpointingLayer):
-    """Llama's pre-norm decoder layer that also passes the residual values on to the next layer. They and the layer's
-    λ (`lambda_first`, `lambda_self`) are positional, so that reentrant gradient checkpointing propagates their
-    gradients."""
+    """Llama's decoder layer that also passes the residual values on to the next layer, with the base's norms
+    (`block_norms`). The values and the layer's λ (`lambda_first`, `lambda_self`) are positional, so that reentrant
+    gradient checkpointing propagates their gradients."""
 
     def __init__(self, config: ResFormerConfig, layer_idx: int):
         super().__init__()
         self.hidden_size = config.hidden_size
         self.layer_idx = layer_idx
+        self.attention_type = config.attention_types[layer_idx]  # the mask and the RoPE this layer reads
         reads_shared = config.key_value_source_layers[layer_idx] != layer_idx
         attention = ResFormerSharedKeysValuesAttention if reads_shared else ResFormerAttention
         self.self_attn = attention(config=config, layer_idx=layer_idx)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # Norms before each sublayer (Llama), on each sublayer's output before the residual add (OLMo 2), or both
+        # (Gemma 3), under their checkpoints' names: Llama calls the norm before its MLP `post_attention_layernorm`,
+        # a base that norms outputs gives that name to the attention output's norm and calls the MLP input's
+        # `pre_feedforward_layernorm`.
+        self.norms_inputs, self.norms_outputs = config.block_norms in (PRE, SANDWICH), config.block_norms != PRE
+        self.input_layernorm = rms_norm(config, config.hidden_size) if self.norms_inputs else None
+        self.post_attention_layernorm = rms_norm(config, config.hidden_size)
+        both = self.norms_inputs and self.norms_outputs
+        self.pre_feedforward_layernorm = rms_norm(config, config.hidden_size) if both else None
+        self.post_feedforward_layernorm = rms_norm(config, config.hidden_size) if self.norms_outputs else None
         # Cross-layer attention: whether the next layer attends over this layer's K and V (else none are handed on)
         self.hands_on_keys_values = self.self_attn.hands_on_keys_values
 
@@ -94,17 +100,25 @@ class ResFormerDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, ResidualValues | None, torch.Tensor | None, torch.Tensor | None]:
         residual = hidden_states
-        hidden_states = self.input_layernorm(hidden_states)
+        if self.norms_inputs:
+            hidden_states = self.input_layernorm(hidden_states)
         hidden_states, _, residual_values, (shared_keys, shared_values) = self.self_attn(
             hidden_states, residual_values, lambda_first, lambda_self, attention_mask=attention_mask,
             position_ids=position_ids, cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
             shared_keys_values=(shared_keys, shared_values), value_embedding_ids=value_embedding_ids, **kwargs,
         )
+        if self.norms_outputs:
+            hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states = residual + hidden_states
 
         residual = hidden_states
-        hidden_states = self.post_attention_layernorm(hidden_states)
+        if not self.norms_outputs:  # Llama's norm before the MLP
+            hidden_states = self.post_attention_layernorm(hidden_states)
+        elif self.norms_inputs:
+            hidden_states = self.pre_feedforward_layernorm(hidden_states)
         hidden_states = self.mlp(hidden_states)
+        if self.norms_outputs:
+            hidden_states = self.post_feedforward_layernorm(hidden_states)
         hidden_states = residual + hidden_states
         if self.hands_on_keys_values:
             return hidden_states, residual_values, shared_keys, shared_values
@@ -146,6 +160,7 @@ class ResFormerPreTrainedModel(CheckpointChecks, ParallelismHooks, VocabularyRes
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
+        init_base_block(module)  # Gemma 3's norms, embedding scale and RoPE per layer type
         if isinstance(module, (ValueResidual, DepthWeightedAverage, ValueGate, *VALUE_EMBEDDING_MODULES)):  # at zero
             for parameter in module.parameters(recurse=False):
                 init.zeros_(parameter)
@@ -179,12 +194,13 @@ class ResFormerModel(ResFormerPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
 
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.embed_tokens = token_embedding(config)  # Gemma 3: scaled
         self.layers = nn.ModuleList(
             [ResFormerDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.norm = rms_norm(config, config.hidden_size)
+        self.rotary_emb = rotary_embedding(config)  # one per layer type where `rope_parameters` has one per type
+        self.rope_by_layer_type = rope_by_layer_type(config)
         self.value_residual = ValueResidual(config)
         self.depth_weighted_average = DepthWeightedAverage.for_config(config)  # DenseFormer only, else None
         self.gradient_checkpointing = False
@@ -227,16 +243,16 @@ class ResFormerModel(ResFormerPreTrainedModel):
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        causal_mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            cache=cache,
-            position_ids=position_ids,
-        )
-
+        # One mask per layer type (`generate()` may hand them in made), one RoPE per type where each has its own
+        layer_types = set(self.config.attention_types)
+        masks = attention_mask
+        if not isinstance(masks, dict):
+            masks = self.causal_masks(inputs_embeds, attention_mask, cache, position_ids)
         hidden_states = inputs_embeds
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        if self.rope_by_layer_type:
+            rope = {kind: self.rotary_emb(hidden_states, position_ids, kind) for kind in layer_types}
+        else:
+            rope = dict.fromkeys(layer_types, self.rotary_emb(hidden_states, position_ids=position_ids))
         # one λ table for every layer, cast once to the values' dtype
         lambdas = self.value_residual.per_layer(compute_dtype(inputs_embeds), inputs_embeds.shape[1])
         residual_values = shared_keys = shared_values = None
@@ -248,7 +264,8 @@ class ResFormerModel(ResFormerPreTrainedModel):
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             hidden_states, residual_values, shared_keys, shared_values = decoder_layer(
                 hidden_states, residual_values, *lambdas[decoder_layer.layer_idx], shared_keys, shared_values,
-                attention_mask=causal_mask, position_embeddings=position_embeddings, position_ids=position_ids,
+                attention_mask=masks[decoder_layer.attention_type], position_ids=position_ids,
+                position_embeddings=rope[decoder_layer.attention_type],
                 cache=cache, use_cache=use_cache, value_embedding_ids=input_ids, **kwargs,  # value embeddings
             )
             if stream is not None:
@@ -256,6 +273,13 @@ class ResFormerModel(ResFormerPreTrainedModel):
 
         hidden_states = self.norm(hidden_states)
         return model_output(BaseModelOutputWithPast, last_hidden_state=hidden_states, cache=cache)
+
+    def causal_masks(self, inputs_embeds, attention_mask, cache, position_ids) -> dict:
+        """One mask per layer type (a sliding window's, a full one's), as transformers' models with layer types make
+        them. (A function of its own: a dict of these arguments kept in `forward` would keep the embeddings alive.)"""
+        arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
+                         position_ids=position_ids)
+        return {kind: CAUSAL_MASKS[kind](**arguments) for kind in set(self.config.attention_types)}
 
 
 @auto_docstring

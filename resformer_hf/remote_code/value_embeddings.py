@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ._compat import ALL_PARALLEL_STYLES
+from .variants import MIX, PLAIN, VARIANTS
 
 FIELD = "value_embeddings"
 #: Gate input: the first channels of the layer's normalised input (nanochat's `ve_gate_channels = 12`)
@@ -54,8 +55,6 @@ LAYOUTS = {"alternating": alternating, "u_net": u_net}
 def combinable_variants() -> tuple[str, ...]:
     """Variants whose layers may have tables: each layer attends over values of its own v_proj, plain or mixed
     with V_0 (roles "plain" and "mix" of the registry, DenseFormer's depth averages aside)."""
-    from .configuration_resformer import MIX, PLAIN, VARIANTS  # late: the configuration imports this file
-
     return tuple(name for name, spec in VARIANTS.items()
                  if spec.role in (PLAIN, MIX) and not spec.depth_weighted_average)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from resformer_hf.remote_code.configuration_resformer import VARIANTS
+from resformer_hf.remote_code.variants import VARIANTS
 
 from benchmarks.common import BASELINE, markdown_table, pyplot
 from benchmarks.studies.reports.seeds import complete_seeds, fewer_tokens, save, summarize

@@ -1,4 +1,4 @@
-"""The uptrain study's report: each arm's continuation against the continued Llama (paired per continuation seed),
+"""The uptrain study's report: each arm's continuation against the continued source (paired per continuation seed),
 how the λ moved, and the gradient every λ gets at the converted starting point."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import markdown_table, pyplot
+from resformer_hf.conversion.bases import BASES
+
+from benchmarks.common import BASELINE, markdown_table, pyplot
 from benchmarks.studies.plan import PRETRAIN
 from benchmarks.studies.reports.seeds import save
 from benchmarks.studies.results import CellRuns, Results
@@ -16,18 +18,19 @@ from benchmarks.studies.uptrain import lambda_summary
 
 
 def render(results: Results) -> Path | None:
-    store, arms = results.only, results.arms
+    store, arms, source = results.only, results.arms, results.study.baseline
+    name = BASES[store.config.get("source", BASELINE)].name  # the source's architecture, as the docs call it
     seeds = [s for s in results.seeds if all(f"{a}/seed{s}" in store for a in arms)]
     if PRETRAIN not in store or not seeds:
         print("no continuation seed has finished every arm yet; the report says what is missing")
         return results.write([
-            f"# {results.study.name}: continuations of a pre-trained Llama, not trained yet", results.regenerate, "",
-            f"No continuation seed has finished every arm ({', '.join(f'`{arm}`' for arm in arms)}) yet, of the "
+            f"# {results.study.name}: continuations of a pre-trained {name}, not trained yet", results.regenerate,
+            "", f"No continuation seed has finished every arm ({', '.join(f'`{arm}`' for arm in arms)}) yet, of the "
             f"seeds {', '.join(map(str, results.seeds))}; run the command above to train what is missing (the "
-            "pre-trained Llama is the uptrain study's, shared through the run store).",
+            f"pre-trained {name} is shared through the run store).",
         ])
     meta = store.meta
-    base = {s: store[f"llama/seed{s}"] for s in seeds}
+    base = {s: store[f"{source}/seed{s}"] for s in seeds}
     final_tokens = base[seeds[0]]["curve"][-1][0]
     checkpoints = [final_tokens // 4, final_tokens // 2, final_tokens]
     rows, lambda_rows, gradient_rows = [], [], []
@@ -36,7 +39,7 @@ def render(results: Results) -> Path | None:
         finals = [runs[s]["final_val_loss"] for s in seeds]
         start = runs[seeds[0]]["curve"][0][1]
         row = [f"`{arm}`", results.study.arm(arm).description, f"{start:.4f}", spread(finals).format(".4f")]
-        if arm == "llama":
+        if arm == source:
             row += ["—"] * (len(checkpoints) + 1)
         else:
             for tokens in checkpoints:
@@ -57,23 +60,26 @@ def render(results: Results) -> Path | None:
                                                          for k, v in gradients.items()) or "— (no λ parameters)"])
     pretrain = store[PRETRAIN]
     lines = [
-        "# Uptraining a converted Llama vs continuing the Llama (CPU scale)",
+        f"# Uptraining a converted {name} vs continuing the {name} (CPU scale)",
         f"{results.regenerate} {results.environments()}",
-        f"Model: {meta['size']}, context {store.config['seq_len']}. Data: {meta['data']}. The training blocks are "
-        f"split at random: {1 - store.config['continue_fraction']:.0%} for pre-training, "
-        f"{store.config['continue_fraction']:.0%} for the continuation (text the Llama never saw).",
-        f"Pre-training (one Llama, seed {store.config['pretrain_seed']}): {pretrain['budget']}; final validation "
-        f"loss {pretrain['final_val_loss']:.4f}. Continuation of every arm: {meta['budget']}; continuation seeds "
-        f"{', '.join(map(str, seeds))} set the batch order, the same for every arm within a seed. Conversions by "
-        "`resformer_hf.convert_llama_checkpoint` (preserve conversions verified to reproduce the Llama's logits).",
+        f"Model: {meta['size']}, context {store.config['seq_len']}"
+        + "".join(f", {key} {value}" for key, value in store.config.get("source_fields", ()))
+        + f". Data: {meta['data']}. The training blocks are split at random: "
+        f"{1 - store.config['continue_fraction']:.0%} for pre-training, {store.config['continue_fraction']:.0%} for "
+        f"the continuation (text the {name} never saw).",
+        f"Pre-training (one {name}, transformers' own class, seed {store.config['pretrain_seed']}): "
+        f"{pretrain['budget']}; final validation loss {pretrain['final_val_loss']:.4f}. Continuation of every arm: "
+        f"{meta['budget']}; continuation seeds {', '.join(map(str, seeds))} set the batch order, the same for every "
+        "arm within a seed. Conversions by `resformer_hf.convert_llama_checkpoint` (preserve conversions verified to "
+        f"reproduce the {name}'s logits).",
         "",
         markdown_table(["arm", "what", "val loss at the start", "final val loss (mean ± std)"]
-                       + [f"Δ vs Llama at {t / 1e6:.2f}M tokens" for t in checkpoints]
+                       + [f"Δ vs {name} at {t / 1e6:.2f}M tokens" for t in checkpoints]
                        + ["final Δ: 95% t-interval, seeds lower, verdict"], rows),
         "",
-        "Δ is per continuation seed (arm minus the Llama continued on the same batches), mean ± std over seeds; "
+        f"Δ is per continuation seed (arm minus the {name} continued on the same batches), mean ± std over seeds; "
         "negative is better for the arm. *At the start* is the validation loss of the converted checkpoint before "
-        "any continuation step (preserve conversions equal the Llama's; the paper init changes the function).",
+        f"any continuation step (preserve conversions equal the {name}'s; the paper init changes the function).",
         "",
         "How the λ moved over the continuation (mean over seeds; λ averaged over the receiving layers 1..L−1):",
         "",
@@ -86,19 +92,19 @@ def render(results: Results) -> Path | None:
         markdown_table(["arm", "max abs gradient per λ parameter"], gradient_rows),
     ]
     path = results.write(lines, ("uptraining", ""))
-    plot(store, arms, seeds, results.image())
+    plot(store, arms, seeds, results.image(), source, name)
     return path
 
 
-def plot(store: CellRuns, arms: list[str], seeds: list[int], path: Path) -> None:
+def plot(store: CellRuns, arms: list[str], seeds: list[int], path: Path, source: str, name: str) -> None:
     plt = pyplot()
     figure, (left, middle, right) = plt.subplots(1, 3, figsize=(17, 4.6))
-    grid = [t for t, _ in store[f"llama/seed{seeds[0]}"]["curve"]]
+    grid = [t for t, _ in store[f"{source}/seed{seeds[0]}"]["curve"]]
     tokens = np.array(grid) / 1e6
-    base = np.array([interpolate_curve(store[f"llama/seed{s}"]["curve"], grid) for s in seeds])
+    base = np.array([interpolate_curve(store[f"{source}/seed{s}"]["curve"], grid) for s in seeds])
     spread = [0.0]  # the paired differences' mean ± std, so the middle panel is scaled to them
     for index, arm in enumerate(arms):
-        color = "black" if arm == "llama" else f"C{index}"
+        color = "black" if arm == source else f"C{index}"
         runs = [store[f"{arm}/seed{s}"] for s in seeds]
         losses = np.array([interpolate_curve(r["curve"], grid) for r in runs])
         for axes, values in ((left, losses), (middle, losses - base)):
@@ -115,8 +121,8 @@ def plot(store: CellRuns, arms: list[str], seeds: list[int], path: Path) -> None
     left.set_ylim(final - 0.3, final + 1.0)
     left.set(xlabel="continuation tokens (M)", ylabel="validation loss", title="Validation loss (mean ± std)")
     middle.axhline(0, color="grey", lw=1)
-    middle.set(xlabel="continuation tokens (M)", ylabel="val loss − continued Llama (same seed)",
-               title="Paired difference to the continued Llama")
+    middle.set(xlabel="continuation tokens (M)", ylabel=f"val loss − continued {name} (same seed)",
+               title=f"Paired difference to the continued {name}")
     low, high = min(spread), max(spread)  # a paper-init start (+0.09) shows whole; a 0.01 gain is not flattened
     margin = 0.1 * (high - low) or 0.01
     middle.set_ylim(max(low - margin, -0.15), min(high + margin, 0.3))
