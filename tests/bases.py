@@ -54,10 +54,11 @@ CHAT_TEMPLATE = "{% for message in messages %}<{{ message['role'] }}>{{ message[
 
 
 def source_model(name: str, **size):
-    """The base's model (eval), seeded, every weight off init: linears at `initializer_range` 0.1, norms moved by
-    ±0.3 from theirs (Gemma's `1 + w` norms from zero), so a dropped or misplaced tensor shows in the logits."""
+    """The base's model (eval) at `SIZE` with `size` in its place (a head size too), seeded, every weight off init:
+    linears at `initializer_range` 0.1, norms moved by ±0.3 from theirs (Gemma's `1 + w` norms from zero), so a
+    dropped or misplaced tensor shows in the logits."""
     model_type, fields, _ = BASES[name]
-    config = AutoConfig.for_model(model_type, **{**SIZE, **size, **fields}, pad_token_id=0, bos_token_id=1,
+    config = AutoConfig.for_model(model_type, **{**SIZE, **fields, **size}, pad_token_id=0, bos_token_id=1,
                                   eos_token_id=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()

@@ -12,6 +12,7 @@ cache saving. What a base holds that ResFormer does not compute is refused by na
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -20,10 +21,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, ContinuousBatching
 
 from resformer_hf import ConversionError, ResFormerConfig, ResFormerForCausalLM, convert_llama_checkpoint
 from resformer_hf.cache_accounting import cache_nbytes
+from resformer_hf.cli.convert import main as convert_main
 from resformer_hf.remote_code._compat import cache_of, with_cache
 from resformer_hf.remote_code.variants import convertible_variants, output_preserving_variants
 
-from helpers import assert_attention_backends_agree, assert_checkpointing_keeps_the_gradients
+from helpers import assert_attention_backends_agree, assert_checkpointing_keeps_the_gradients, run_fresh_python
 
 #: Longer than every window (6), left-padded in the second row.
 PROMPT = torch.randint(3, 300, (2, 14), generator=torch.Generator().manual_seed(2))
@@ -104,6 +106,41 @@ def test_what_a_base_holds_that_resformer_does_not_compute_is_refused_by_name(ro
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
     with pytest.raises(ConversionError, match="only its text model converts: model_type gemma3_text"):
         convert_llama_checkpoint(folder, tmp_path / "out-multimodal", progress=False)
+
+
+#: Run in a fresh interpreter that cannot import resformer_hf: each folder (argv[1]: name -> folder) through its own
+#: remote code; its logits on `PROMPT` (argv[2]), and the classes that computed them.
+REMOTE_ALONE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+
+folders, ids = json.loads(sys.argv[1]), torch.tensor(json.loads(sys.argv[2]))
+report = {}
+for name, folder in folders.items():
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        report[name] = {"logits": model(input_ids=ids).logits.tolist(), "class": type(model).__module__}
+print("REPORT " + json.dumps(report))
+"""
+
+
+@pytest.mark.slow
+def test_each_base_loads_from_its_folders_code_alone_after_refresh_code(root, tmp_path):
+    """Each base's converted folder, its code made stale (a modeling file that raises) and refreshed with
+    `resformer-convert --refresh-code`, loads in an interpreter without the plugin from the folder's remote code and
+    computes the source's logits."""
+    folders = {}
+    for name in BASES:
+        folders[name] = shutil.copytree(converted(name, root), tmp_path / name)
+        (folders[name] / "modeling_resformer.py").write_text('raise RuntimeError("stale remote code")\n')
+        assert convert_main(["--refresh-code", str(folders[name])]) == 0
+    report = run_fresh_python(REMOTE_ALONE, tmp_path, json.dumps({n: str(f) for n, f in folders.items()}),
+                              json.dumps(PROMPT.tolist()))
+    for name in BASES:
+        assert report[name]["class"].startswith("transformers_modules."), report[name]["class"]
+        source = AutoModelForCausalLM.from_pretrained(root / name).eval()
+        expected = source(input_ids=PROMPT).logits.detach()
+        assert torch.equal(torch.tensor(report[name]["logits"]), expected), name
 
 
 # ---- from scratch --------------------------------------------------------------------------------------------------

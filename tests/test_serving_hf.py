@@ -26,6 +26,7 @@ if not is_serve_available():
     pytest.skip("transformers serve needs FastAPI, uvicorn and openai: pip install -e '.[serve]'",
                 allow_module_level=True)
 
+import torch  # noqa: E402
 from hf_serving import (  # noqa: E402
     CB_FLAGS,
     CONCURRENT,
@@ -33,10 +34,14 @@ from hf_serving import (  # noqa: E402
     PROMPTS,
     REPO,
     REQUEST_TIMEOUT_S,
+    Reference,
     Server,
     served,
     write_folders,
 )
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from resformer_hf.hub import save_for_hub  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +79,38 @@ def value_embeddings(folders, tmp_path_factory):
 def control(folders, tmp_path_factory):
     """The Llama control, with continuous batching."""
     yield from served(folders, tmp_path_factory, "llama", *CB_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def base_folders(tmp_path_factory) -> dict:
+    """Each base of issue 67 converted to learnable_plus (`bases.py`), λ off their initial values, as a Hub folder
+    with the base's tokenizer and chat template."""
+    from bases import BASES, converted
+
+    root, folders = tmp_path_factory.mktemp("bases"), {}
+    for name in BASES:
+        source = converted(name, root, "learnable_plus")
+        model = AutoModelForCausalLM.from_pretrained(source)
+        with torch.no_grad():
+            for parameter in model.model.value_residual.parameters():
+                parameter.uniform_(-0.4, 0.4, generator=torch.Generator().manual_seed(0))
+        folders[name] = save_for_hub(model, root / f"{name}-served", tokenizer=AutoTokenizer.from_pretrained(source))
+    return folders
+
+
+@pytest.mark.parametrize("flags", [(), CB_FLAGS], ids=["generate", "continuous-batching"])
+@pytest.mark.parametrize("name", ["llama3.2", "qwen3", "smollm3", "olmo2", "gemma3", "mistral"])
+def test_each_base_is_served_as_generate_answers(base_folders, tmp_path, name, flags):
+    """Issue 67: `resformer-serve` answers completions (token-id prompts, the longest past every window, and text)
+    and a chat request with `generate()`'s greedy tokens for each base, with and without continuous batching."""
+    server = Server(base_folders[name], tmp_path / "server.log", *flags)
+    try:
+        reference = Reference(base_folders[name])
+        for prompt in ([5, 9], list(range(3, 30)), PROMPTS[2]):
+            assert server.complete(prompt) == reference.complete(prompt), prompt
+        assert server.chat(PROMPTS[1]) == reference.chat(PROMPTS[1])
+    finally:
+        server.close()
 
 
 def _concurrently(server: Server, prompts: list[str]) -> list[tuple[str, int]]:

@@ -362,6 +362,36 @@ def test_offline_every_other_variant(served, tmp_path):
     assert_same_tokens(served, results, OTHER_VARIANTS)
 
 
+def test_offline_every_base(tmp_path):
+    """Each base of issue 67 (`bases.py`: Qwen 3, SmolLM3, OLMo 2, Gemma 3, Mistral's window, Llama 3.2's shape),
+    converted to learnable_plus with λ off their initial values, serves from its remote code with `generate()`'s
+    greedy tokens (prompts longer than the windows), and vLLM fuses each layer as it fuses a Llama's: q, k and v, the
+    MLP, and every norm (q/k norms and Gemma's `1 + w` norms too)."""
+    from bases import BASES, save_source
+
+    from resformer_hf import convert_llama_checkpoint
+
+    prompts = [torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+               for length in (3, 14, 27)]
+    folders, references = {}, {}
+    for name in BASES:
+        # vLLM's CPU attention takes head sizes 32, 64, ...; its engines here are told 256 positions
+        source = save_source(name, tmp_path / name, hidden_size=128, head_dim=32, max_position_embeddings=256)
+        converted = tmp_path / f"{name}-learnable_plus"
+        convert_llama_checkpoint(source, converted, variant="learnable_plus", progress=False)
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+        with torch.no_grad():
+            for parameter in model.model.value_residual.parameters():
+                parameter.uniform_(-0.4, 0.4, generator=torch.Generator().manual_seed(0))
+        folders[name] = save_for_hub(model, tmp_path / f"{name}-served")
+        references[name] = greedy(folders[name], prompts, pad_token_id=0)
+    served = dict(folders=folders, prompts=prompts, references=references)
+    job = engine_job(served, BASES, import_plugin=False)
+    job["engine_args"] = dict(skip_tokenizer_init=True)  # token ids in and out
+    results = run_engine(job, tmp_path / "engine", hide_plugin=True)
+    assert_same_tokens(served, results, BASES)
+
+
 def _post(url: str, body: dict, timeout: float) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:

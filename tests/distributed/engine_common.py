@@ -25,6 +25,8 @@ LEARNING_RATE = 1e-2
 #: `value_embeddings` (learnable_plus with a table and gate in layers 1 and 3: sharded with their layer, and by kv
 #: head under tensor parallelism).
 MODELS = ("llama", "learnable_plus", "svformer", "dense", "gated", "value_embeddings")
+#: The bases of issue 67 (`tests/bases.py`), each converted to learnable_plus with λ moved: trained under FSDP2 only.
+BASE_MODELS = ("base-llama3.2", "base-qwen3", "base-smollm3", "base-olmo2", "base-gemma3", "base-mistral")
 
 
 def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
@@ -170,15 +172,16 @@ def check_every_model(
     checks: Mapping[str, Check],
     mixing_checks: Mapping[str, Check] | None = None,
     results: dict | None = None,
+    models: tuple[str, ...] = MODELS,
 ) -> dict:
-    """`attempt` every check on every model of `MODELS`, keyed `check/model`, model by model; `mixing_checks` (of
+    """`attempt` every check on every model of `models`, keyed `check/model`, model by model; `mixing_checks` (of
     the mixing weights) on every model but the plain Llama, which has none. Returns the results: `results` when
     given, so that a later call adds to what `out` already holds."""
     data = Path(data_dir)
     batch = load_batch(data)
     results = {} if results is None else results
     mixing_checks = mixing_checks or {}
-    for name in MODELS:
+    for name in models:
         mixing = mixing_checks if name != "llama" else {}
         for check, function in {**checks, **mixing}.items():
             attempt(results, f"{check}/{name}", partial(function, data / name, batch), out)

@@ -24,7 +24,15 @@ from transformers.distributed import DistributedConfig
 
 import resformer_hf  # noqa: F401  (registers the Auto classes)
 
-from engine_common import DataParallel, Engine, check_every_model, greedy_tokens, lambdas_seen_in_forward, train
+from engine_common import (
+    BASE_MODELS,
+    DataParallel,
+    Engine,
+    check_every_model,
+    greedy_tokens,
+    lambdas_seen_in_forward,
+    train,
+)
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -110,6 +118,7 @@ def main(data_dir: str, out: str) -> None:
     }
     mixing_checks = {"fsdp2_torch_bf16": fsdp2_torch_bf16, "fsdp2_transformers_bf16": fsdp2_transformers_bf16}
     results = check_every_model(data_dir, out, checks, mixing_checks)
+    check_every_model(data_dir, out, {"fsdp2_transformers": fsdp2_transformers}, results=results, models=BASE_MODELS)
     # Last: a pipeline split that fails on one stage leaves the other waiting for hidden states (until the timeout).
     check_every_model(data_dir, out, {"pp": pipeline}, results=results)
     dist.barrier()
