@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from bases import SCRATCH, SIZE
 from huggingface_hub import ModelCard
 
-from resformer_hf import ResFormerForCausalLM
+from resformer_hf import ResFormerConfig, ResFormerForCausalLM
 from resformer_hf.hub.model_card import TEMPLATE_NAME, build_model_card, write_model_card
 
 from helpers import tiny_config
@@ -112,6 +113,20 @@ def test_a_card_states_the_value_embedding_layers_and_the_parameters_they_add():
     assert f"| value embeddings | layers 1, 3 add `g·E[token]` to their values (`alternating`): {added:,} parameters" \
         in content and added == 2 * (128 * 16 + 2 * 12)
     assert "| value embeddings |" not in build_model_card(tiny_config("learnable_plus")).content
+
+
+@pytest.mark.parametrize("base, words", [
+    ("llama3.2", "Llama's architecture, and the"),
+    ("gemma3", "Llama's architecture with RMSNorm on each head's queries and keys, norms before and after each "
+               "sublayer, norms that scale by `1 + w`, embeddings scaled by 8, attention scores scaled by 12^-1/2, "
+               "2 of 4 layers attending over a 6-token window, and the"),
+    ("olmo2", "with RMSNorm over the whole query and key projections, norms on each sublayer's output"),
+    ("smollm3", "with no RoPE in layers 1, 3, and the"),
+])
+def test_a_card_says_which_base_architecture_the_model_has(base, words):
+    """Issue 67: a converted Gemma 3 or OLMo 2 is not Llama's architecture, and its card says how it differs."""
+    config = ResFormerConfig(value_residual="learnable_plus", **SIZE, **SCRATCH[base])
+    assert words in " ".join(build_model_card(config).content.split())
 
 
 def test_write_model_card_round_trips_through_readme(tmp_path):

@@ -126,6 +126,26 @@ def _as_list(value: str | Sequence[str] | None) -> list[str]:
     return [str(item) for item in value]
 
 
+def architecture(config: ResFormerConfig) -> str:
+    """The architecture in words: Llama's, and what the base's facts change (`remote_code/architecture.py`)."""
+    types = config.attention_types
+    sliding = sum(kind != "full_attention" for kind in types)
+    parts = [
+        {"head": "RMSNorm on each head's queries and keys",
+         "projection": "RMSNorm over the whole query and key projections"}.get(config.qk_norm),
+        {"post": "norms on each sublayer's output (before the residual add) instead of its input",
+         "sandwich": "norms before and after each sublayer"}.get(config.block_norms),
+        "norms that scale by `1 + w`" if config.rms_norm_type == "gemma3" else None,
+        "RoPE in float32" if config.rope_in_float32 else None,
+        f"embeddings scaled by {config.embedding_multiplier:g}" if config.embedding_multiplier else None,
+        f"attention scores scaled by {config.query_pre_attn_scalar:g}^-1/2" if config.query_pre_attn_scalar else None,
+        f"{sliding} of {len(types)} layers attending over a {config.sliding_window}-token window" if sliding else None,
+        f"no RoPE in layers {', '.join(map(str, config.nope_layers))}" if config.nope_layers else None,
+    ]
+    parts = [part for part in parts if part]
+    return "Llama's architecture" + (f" with {', '.join(parts)}" if parts else "")
+
+
 def build_model_card(
     config: ResFormerConfig,
     *,
@@ -196,6 +216,7 @@ def build_model_card(
         variant=spec.name,
         variant_label=spec.label,
         variant_summary=spec.summary,
+        architecture=architecture(config),
         base_model=base_model,
         base_model_url=_base_model_url(base_model),
         init=init,
