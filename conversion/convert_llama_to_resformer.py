@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Convert a Llama-layout checkpoint to ResFormer: `python conversion/convert_llama_to_resformer.py SRC DST [options]`.
+"""Convert a checkpoint (Llama, Qwen, Gemma 3, ...) to ResFormer.
+
+`python conversion/convert_llama_to_resformer.py SRC DST [options]`.
 
 A thin wrapper around the installed console command `resformer-convert` (`resformer_hf.cli.convert`); see `--help`.
 """

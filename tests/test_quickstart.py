@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bases import BASES, save_source
 from huggingface_hub import HfApi, ModelCard, RepoUrl
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -85,6 +86,25 @@ def test_converts_a_given_model_fine_tunes_and_writes_a_loadable_folder(tmp_path
     rows = re.findall(r"^\| \d+ \| (?:yes|no) \| (-?[\d.]+) \| (-?[\d.]+) \|$", card.content, re.MULTILINE)
     assert torch.allclose(torch.tensor([[float(a), float(b)] for a, b in rows]), model.value_residual_lambdas(),
                           atol=5e-5)
+
+
+@pytest.mark.slow
+def test_converts_a_gemma_3_keeping_its_architecture(tmp_path, text_file, capsys):
+    """Issue 67: `--model` takes every base the converter does; Gemma 3 differs from Llama the most (sandwich norms,
+    `1 + w` norms, q/k norms, scaled embeddings, window layers): converted exactly, trained, and its card says so."""
+    source = save_source("gemma3", tmp_path / "gemma3")
+    out = tmp_path / "out"
+    code = quickstart_main(["--model", str(source), "--data", str(text_file), "--steps", "10", "--learning-rate",
+                            "5e-3", "--output", str(out), *TINY_RUN])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "max |Δ logits| converted vs source: 0 (exact" in printed
+    config = json.loads((out / "config.json").read_text())
+    assert {fact: config[fact] for fact in BASES["gemma3"][2]} == BASES["gemma3"][2]
+    card = ModelCard.load(out / "README.md")
+    before, after = map(float, _card_value(card, "held-out loss before → after").split(" → "))
+    assert after < before - 0.1, (before, after)
+    assert "2 of 4 layers attending over a 6-token window" in " ".join(card.content.split())
 
 
 @pytest.mark.slow
@@ -221,7 +241,8 @@ def test_the_readme_names_what_quickstart_converts_a_model_to():
 
     variant = build_parser().parse_args(["--model", "m"]).variant
     readme = " ".join((REPO_ROOT / "README.md").read_text(encoding="utf-8").split())
-    assert (f"`--model DIR_OR_ID` converts your Llama-layout checkpoint instead, to `{variant}` (the default "
+    assert (f"`--model DIR_OR_ID` converts your checkpoint instead (a Llama, Mistral, Qwen 2 or 3, SmolLM3, OLMo 2 "
+            f"or 3, or Gemma 3's text model), to `{variant}` (the default "
             "`--variant`) with `--init preserve` by default") in readme
     assert f"`--variant {DEFAULT_CONVERSION_VARIANT}`, the converter's default" in readme
 

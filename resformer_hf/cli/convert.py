@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from ..conversion import DTYPES, INITS, convert_llama_checkpoint
+from ..conversion.bases import base_names
 from ..hub.refresh_code import refresh_remote_code
 from ..remote_code.variants import DEFAULT_CONVERSION_VARIANT, convertible_variants
 from .common import OneLineParser, add_debug_flag, run_command
@@ -52,10 +53,10 @@ def _layers_or_layout(text: str) -> str | list[int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = _ConvertParser(
         prog=PROG,
-        description="Upgrade a Llama-layout causal LM checkpoint (Llama, Mistral without sliding window, Qwen2) to "
-        "ResFormer by adding the value-residual λ. By default the converted model computes exactly what the source "
-        "computed, ready to be fine-tuned. Exit status: 0 done, 2 bad input, 1 environment error, 130/143 "
-        "interrupted (nothing is left behind).",
+        description=f"Upgrade a causal LM checkpoint ({base_names()}) to ResFormer by adding the value-residual λ; "
+        "the converted model keeps its base's architecture (q/k norms, block norms, window layers). By default it "
+        "computes exactly what the source computed, ready to be fine-tuned. Exit status: 0 done, 2 bad input, "
+        "1 environment error, 130/143 interrupted (nothing is left behind).",
     )
     parser.add_argument("src", metavar="SRC", nargs="?",
                         help="checkpoint directory (config.json + safetensors) or Hub repo id")

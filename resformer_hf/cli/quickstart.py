@@ -10,6 +10,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from ..conversion.bases import base_names
 from ..remote_code.variants import DEFAULT_VARIANT, convertible_variants
 from .common import OneLineParser, add_debug_flag, positive_float, positive_int, run_command, seed
 
@@ -23,8 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sample and write a Hub-ready folder with a model card. Runs offline on built-in defaults.",
     )
     source = parser.add_argument_group("model and data")
-    source.add_argument("--model", help="Llama-layout checkpoint (directory or Hub id) to convert; default: build a "
-                        "small random Llama (4 layers, hidden 128) with a tokenizer trained on the data")
+    source.add_argument("--model", help=f"checkpoint (directory or Hub id) of a {base_names()} to convert; "
+                        "default: build a small random Llama (4 layers, hidden 128) with a tokenizer trained on the "
+                        "data")
     source.add_argument("--tokenizer", help="tokenizer directory or Hub id; default: the --model's own, else a BPE "
                         "trained on the data")
     data = source.add_mutually_exclusive_group()

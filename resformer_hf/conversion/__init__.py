@@ -1,6 +1,7 @@
-"""Upgrade a Llama-layout checkpoint (Llama, Mistral without sliding window, Qwen2) to a ResFormer checkpoint.
+"""Upgrade a causal LM checkpoint of a supported base (`bases.py`: Llama, Mistral, Qwen 2 and 3, SmolLM3, OLMo 2
+and 3, Gemma 3's text model) to a ResFormer checkpoint of the same architecture.
 
-ResFormer keeps Llama's parameter names, so conversion is a streamed copy of the weights plus the new λ tensors
+ResFormer keeps the base's parameter names, so conversion is a streamed copy of the weights plus the new λ tensors
 (`model.value_residual.*`, stored as offsets from the config's initial values; see `value_residual.py`). The default
 `init="preserve"` picks initial λ that make the converted model compute exactly what the source computed, so it can be
 fine-tuned from where the source stands.

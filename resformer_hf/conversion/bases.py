@@ -56,9 +56,15 @@ BASES = {
 TEXT_MODEL_OF = {"gemma3": "gemma3_text (Gemma3ForCausalLM: the 270M and 1B checkpoints, or a text model saved alone)"}
 
 
+def base_names() -> str:
+    """The bases in words, for help texts: "Llama, Mistral, ... or Gemma 3"."""
+    names = list(dict.fromkeys(base.name for base in BASES.values()))
+    return f"{', '.join(names[:-1])} or {names[-1]}"
+
+
 def neutral_value(value, neutral) -> bool:
     """Whether a field holds the value that changes nothing (None and False mean the same for a switch)."""
     return value == neutral or (neutral is False and value is None)
 
 
-__all__ = ["BASES", "TEXT_MODEL_OF", "Base", "neutral_value"]
+__all__ = ["BASES", "TEXT_MODEL_OF", "Base", "base_names", "neutral_value"]

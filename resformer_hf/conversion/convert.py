@@ -69,7 +69,8 @@ def convert_llama_checkpoint(
     progress: bool = True,
     value_embeddings: str | list[int] | None = None,
 ) -> ConversionReport:
-    """Write a ResFormer checkpoint at `dst` made from the Llama-layout causal LM at `src` (directory or Hub id).
+    """Write a ResFormer checkpoint at `dst` made from the causal LM at `src` (directory or Hub id) of a base in
+    `bases.py`.
 
     `init="preserve"` (only for the learnable variants) starts λ where the output equals the source's;
     `init="paper"` starts from the paper's values, so outputs change until the model is fine-tuned. `verify` loads

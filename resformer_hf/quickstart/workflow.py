@@ -42,7 +42,7 @@ DEFAULT_OUTPUT = "resformer-quickstart"
 class QuickstartSettings:
     """Everything the quickstart needs; the defaults run offline on the bundled sample in about a minute."""
 
-    model: str | None = None  # Llama-layout checkpoint (directory or Hub id); None builds a small random Llama
+    model: str | None = None  # checkpoint of a supported base (directory or Hub id); None builds a small random Llama
     tokenizer: str | None = None  # default: the model's own, else a BPE trained on the data
     data_files: Sequence[str] = ()
     dataset: str | None = None
