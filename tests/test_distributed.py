@@ -35,7 +35,7 @@ from helpers import TINY, mixing_parameters, model_with_random_lambdas, save_wit
 
 WORKERS = Path(__file__).parent / "distributed"
 sys.path.insert(0, str(WORKERS))
-from engine_common import BASE_MODELS, MODELS, Engine, greedy_tokens, train  # noqa: E402  (shared with the workers, which run as scripts)
+from engine_common import BASE_MODELS, LEARNING_RATE, MODELS, Engine, greedy_tokens, train  # noqa: E402  (shared with the workers, which run as scripts)
 
 TOLERANCE = 1e-5
 RESFORMERS = [name for name in MODELS if name != "llama"]
@@ -258,14 +258,15 @@ def test_fsdp2_matches_one_process(torch_engines, reference, engine, name):
 @pytest.mark.parametrize("name", BASE_MODELS)
 def test_fsdp2_trains_each_base_as_one_process(torch_engines, reference, name):
     """Issue 67: FSDP2 (transformers' `DistributedConfig(fsdp_size=2)`) trains each base's converted model as one
-    process does: Gemma 3's `1 + w` norms and windows, OLMo 2's post-norms and projection-wide q/k norms, ... Losses,
-    gradients and logits to `TOLERANCE`; the trained λ to 1e-4: OLMo 2 normalises each sublayer's output, so V's scale
-    hardly moves the loss and some λ get gradients of 3e-7, which AdamW's normalised steps turn into steps that the
-    sharded sums' reordering (gradients 7e-8 apart) moves by up to 1e-4. A sharding error shows in the gradients."""
+    process does: Gemma 3's `1 + w` norms and windows, OLMo's post-norms and projection-wide q/k norms, ... Losses,
+    gradients and logits to `TOLERANCE`. The trained λ to a tenth of one AdamW step (a λ that misses or doubles a step
+    is a whole step off): OLMo normalises each sublayer's output, so λ_self's scale cancels and its gradients are
+    ~1e-6, which AdamW's normalised steps turn into steps that the sharded sums' reordering (gradients 6e-8 apart)
+    moves by up to 1.5e-4. A sharding error shows in the gradients."""
     deltas = max_deltas(torch_engines[f"fsdp2_transformers/{name}"], reference[name])
     assert {"losses", "grads", "table_after"} <= deltas.keys(), deltas
     assert max(deltas[key] for key in ("losses", "grads")) <= TOLERANCE, (name, deltas)
-    assert max(deltas.values()) <= 1e-4 and deltas["table_before"] == 0.0, (name, deltas)
+    assert max(deltas.values()) <= LEARNING_RATE / 10 and deltas["table_before"] == 0.0, (name, deltas)
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ if not is_serve_available():
                 allow_module_level=True)
 
 import torch  # noqa: E402
+from bases import BASES  # noqa: E402
 from hf_serving import (  # noqa: E402
     CB_FLAGS,
     CONCURRENT,
@@ -85,7 +86,7 @@ def control(folders, tmp_path_factory):
 def base_folders(tmp_path_factory) -> dict:
     """Each base of issue 67 converted to learnable_plus (`bases.py`), λ off their initial values, as a Hub folder
     with the base's tokenizer and chat template."""
-    from bases import BASES, converted
+    from bases import converted
 
     root, folders = tmp_path_factory.mktemp("bases"), {}
     for name in BASES:
@@ -99,7 +100,7 @@ def base_folders(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("flags", [(), CB_FLAGS], ids=["generate", "continuous-batching"])
-@pytest.mark.parametrize("name", ["llama3.2", "qwen3", "smollm3", "olmo2", "gemma3", "mistral"])
+@pytest.mark.parametrize("name", BASES)
 def test_each_base_is_served_as_generate_answers(base_folders, tmp_path, name, flags):
     """Issue 67: `resformer-serve` answers completions (token-id prompts, the longest past every window, and text)
     and a chat request with `generate()`'s greedy tokens for each base, with and without continuous batching."""

@@ -26,7 +26,7 @@ LEARNING_RATE = 1e-2
 #: head under tensor parallelism).
 MODELS = ("llama", "learnable_plus", "svformer", "dense", "gated", "value_embeddings")
 #: The bases of issue 67 (`tests/bases.py`), each converted to learnable_plus with λ moved: trained under FSDP2 only.
-BASE_MODELS = ("base-llama3.2", "base-qwen3", "base-smollm3", "base-olmo2", "base-gemma3", "base-mistral")
+BASE_MODELS = tuple(f"base-{name}" for name in ("llama3.2", "qwen3", "smollm3", "olmo2", "olmo3", "gemma3", "mistral"))
 
 
 def lambda_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
