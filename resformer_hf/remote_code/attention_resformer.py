@@ -18,7 +18,7 @@ from transformers.utils import TransformersKwargs
 
 from ._compat import is_paged_cache, update_cache
 from .architecture import HEAD, PROJECTION, SLIDING
-from .base_blocks import apply_rotary_pos_emb, rms_norm
+from .base_blocks import rms_norm, rotation
 from .cache_resformer import share_key_value_projections, shared_keys_values_queries
 from .configuration_resformer import ResFormerConfig
 from .depth_weighted_average import dense_values
@@ -55,7 +55,7 @@ class ResFormerAttention(LlamaAttention):
             self.q_norm = rms_norm(config, self.head_dim * (1 if per_head else config.num_attention_heads))
             if self.k_proj is not None:  # a cross-layer-attention consumer's keys are its producer's, normed there
                 self.k_norm = rms_norm(config, self.head_dim * (1 if per_head else config.num_key_value_heads))
-        self.uses_rope = layer_idx not in (config.nope_layers or ())
+        self.rotate = rotation(config) if layer_idx not in (config.nope_layers or ()) else None
         self.sliding_window = config.sliding_window if config.attention_types[layer_idx] == SLIDING else None
         if config.query_pre_attn_scalar is not None:
             self.scaling = float(config.query_pre_attn_scalar) ** -0.5
@@ -83,11 +83,15 @@ class ResFormerAttention(LlamaAttention):
                                                     lambda_self)
         value_states = add_value_embedding(self, value_states, hidden_states, value_embedding_ids)  # value embeddings
 
-        query_states = self.normed(queries, self.q_norm, hidden_shape)
-        key_states = self.normed(keys, self.k_norm, hidden_shape)
-        if self.uses_rope:  # SmolLM3's NoPE layers have none
+        if self.qk_norm is None:  # Llama's
+            query_states = queries.view(hidden_shape).transpose(1, 2)
+            key_states = keys.view(hidden_shape).transpose(1, 2)
+        else:
+            query_states = self.normed(queries, self.q_norm, hidden_shape)
+            key_states = self.normed(keys, self.k_norm, hidden_shape)
+        if self.rotate is not None:  # SmolLM3's NoPE layers have none
             cos, sin = position_embeddings
-            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+            query_states, key_states = self.rotate(query_states, key_states, cos, sin)
 
         # With cross-layer attention, the next layer attends over these K and V: in the paged cache the tokens' own,
         # which it updates the pages with as this layer does; elsewhere the cached ones this update returns.

@@ -1,7 +1,7 @@
 """transformers' own building blocks for the facts of `architecture.py`: each base's RMSNorm, Gemma 3's scaled
 embeddings, a rotary embedding per layer type or in float32, reused as they are so that a converted model computes
-what its source computed, op for op, in every dtype. `apply_rotary_pos_emb` is OLMo 2's: Llama's rotation with the
-result cast back to the queries' dtype, a no-op where cos and sin come in it (every rotary embedding but OLMo's).
+what its source computed, op for op, in every dtype. `rotation` is Llama's `apply_rotary_pos_emb`, or OLMo 2's where
+RoPE runs in float32 (the same rotation, its result cast back to the queries' dtype).
 Copied next to `config.json` for `trust_remote_code`: imports only torch, transformers and sibling files.
 """
 
@@ -15,9 +15,10 @@ from transformers.models.gemma3.modeling_gemma3 import (
     Gemma3RotaryEmbedding,
     Gemma3TextScaledWordEmbedding,
 )
+from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm, Olmo2RotaryEmbedding
-from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb as apply_rotary_pos_emb  # noqa: PLC0414
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
 
 from .architecture import rope_by_layer_type
@@ -68,5 +69,11 @@ def init_base_block(module: nn.Module) -> None:
             init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
 
 
-__all__ = ["RMS_NORMS", "apply_rotary_pos_emb", "init_base_block", "rms_norm", "rotary_embedding",
+def rotation(config):
+    """The function that applies RoPE to queries and keys: OLMo's casts back from float32, which costs two calls a
+    layer that every other base skips."""
+    return (modeling_olmo2 if config.rope_in_float32 else modeling_llama).apply_rotary_pos_emb
+
+
+__all__ = ["RMS_NORMS", "rotation", "init_base_block", "rms_norm", "rotary_embedding",
            "token_embedding"]

@@ -70,7 +70,7 @@ def shared_keys_values_queries(
         )
     hidden_shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
     query_states = attention.normed(attention.q_proj(hidden_states), attention.q_norm, hidden_shape)
-    if not attention.uses_rope:
+    if attention.rotate is None:
         return query_states
     cos, sin = position_embeddings
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
