@@ -60,14 +60,11 @@ def check_architecture(config) -> None:
     if not isinstance(nope, (list, tuple)) or any(
             isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in nope):
         raise ValueError(f"nope_layers={config.nope_layers!r} must list layer indices in 0..{layers - 1}.")
-    rope = config.rope_parameters
-    nested = isinstance(rope, dict) and any(kind in rope for kind in (FULL, SLIDING))
-    missing = sorted(set(attention_types(config)) - set(rope)) if nested else []
+    kinds = attention_types(config)
+    missing = sorted(set(kinds) - set(config.rope_parameters)) if rope_by_layer_type(config) else []
     if missing:
         raise ValueError(f"rope_parameters is keyed by layer type but has no entry for {missing}; give each type one.")
-    sources = config.key_value_source_layers
-    mixed = [layer for layer, source in enumerate(sources) if attention_types(config)[source]
-             != attention_types(config)[layer]]
+    mixed = [layer for layer, source in enumerate(config.key_value_source_layers) if kinds[source] != kinds[layer]]
     if mixed:
         raise ValueError(f"cross_layer_attention={config.cross_layer_attention} groups layers of different "
                          f"layer_types (layers {mixed} would read a window of another size); group like layers.")
