@@ -146,6 +146,26 @@ def test_each_base_loads_from_its_folders_code_alone_after_refresh_code(root, tm
 # ---- from scratch --------------------------------------------------------------------------------------------------
 
 
+ROPE = dict(rope_type="default", rope_theta=10000.0)
+S, F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(qk_norm="layer"), "qk_norm"), (dict(block_norms="post-pre"), "block_norms"),
+    (dict(rms_norm_type="t5"), "rms_norm_type"), (dict(rope_in_float32="yes"), "rope_in_float32"),
+    (dict(embedding_multiplier=0.0), "embedding_multiplier"),
+    (dict(query_pre_attn_scalar=-1), "query_pre_attn_scalar"),
+    (dict(layer_types=[S, F], sliding_window=6), "layer_types"), (dict(sliding_window=0), "sliding_window"),
+    (dict(layer_types=[S, F, S, F]), "sliding_window"), (dict(nope_layers=[4]), "nope_layers"),
+    (dict(layer_types=[S, F, S, F], sliding_window=6, rope_parameters={F: ROPE}), "rope_parameters"),
+    (dict(layer_types=[S, F, S, F], sliding_window=6, cross_layer_attention=2), "group like layers"),
+])
+def test_a_base_field_that_does_not_fit_raises_value_error_naming_it(overrides, field):
+    """`architecture.py: check_architecture`: each base field that does not fit the model is refused by name."""
+    with pytest.raises(ValueError, match=field):
+        ResFormerConfig(value_residual="none", **SIZE, **overrides)
+
+
 @pytest.mark.parametrize("name", BASES)
 def test_resformer_config_fields_alone_describe_each_base(name):
     """A ResFormer written out by hand with the base's fields (`bases.SCRATCH`) and no value residual, holding the
