@@ -38,7 +38,8 @@ LEARNABLE_PLUS_PATH = {
 }
 #: 250 lines in two files until issue 66; then the λ module's own file, and the mix's second way to keep what λ_self's
 #: gradient needs (261 lines measured); issue 67: the attention reads the base's facts (q/k norms, RoPE or none, a
-#: window, a score scale: 276 measured).
+#: window, a score scale: 276 measured); then the base's facts moved to `base_blocks.attach_base_attention` and a plain
+#: layer skips `values` and the table's call (one Python call each a decode step: 277 measured).
 PATH_FILES, PATH_LINES = 3, 280
 
 

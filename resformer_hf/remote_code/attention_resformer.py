@@ -17,8 +17,8 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 
 from ._compat import is_paged_cache, update_cache
-from .architecture import HEAD, PROJECTION, SLIDING
-from .base_blocks import rms_norm, rotation
+from .architecture import HEAD, PROJECTION
+from .base_blocks import attach_base_attention
 from .cache_resformer import share_key_value_projections, shared_keys_values_queries
 from .configuration_resformer import ResFormerConfig
 from .depth_weighted_average import dense_values
@@ -40,6 +40,8 @@ class ResFormerAttention(LlamaAttention):
         self.receiver_row = receivers.index(layer_idx) if self.value_role != PLAIN else None
         self.value_buffer_rows = max(receivers, default=0)  # `dense`: one row per layer up to the last receiver
         self.keeps_every_layers_values = config.value_residual_spec.keeps_every_layers_values
+        #: Llama's values: a plain layer that hands nothing on skips `values` (a call a layer in a decode step)
+        self.attends_own_values = self.value_role == PLAIN and not self.hands_on_values
         if self.value_role == REUSE:  # SVFormer
             self.v_proj = None
         if self.value_role == GATE:
@@ -48,17 +50,7 @@ class ResFormerAttention(LlamaAttention):
             self.gate_shift = config.value_residual_lambda_first_resolved - 0.5  # g0 − σ(0)
         share_key_value_projections(self, config)  # cross-layer attention: consumers lose k_proj and v_proj
         attach_value_embedding(self, config, layer_idx)  # value embeddings: this layer's table and gate, if it has one
-        # The base (`architecture.py`): q/k norms, RoPE or none, a sliding window, Gemma 3's score scale
-        self.qk_norm, self.q_norm, self.k_norm = config.qk_norm, None, None
-        if self.qk_norm is not None:
-            per_head = self.qk_norm == HEAD
-            self.q_norm = rms_norm(config, self.head_dim * (1 if per_head else config.num_attention_heads))
-            if self.k_proj is not None:  # a cross-layer-attention consumer's keys are its producer's, normed there
-                self.k_norm = rms_norm(config, self.head_dim * (1 if per_head else config.num_key_value_heads))
-        self.rotate = rotation(config) if layer_idx not in (config.nope_layers or ()) else None
-        self.sliding_window = config.sliding_window if config.attention_types[layer_idx] == SLIDING else None
-        if config.query_pre_attn_scalar is not None:
-            self.scaling = float(config.query_pre_attn_scalar) ** -0.5
+        attach_base_attention(self, config, layer_idx)  # the base: q/k norms, RoPE or none, a window, a score scale
 
     def forward(
         self, hidden_states: torch.Tensor, residual_values: ResidualValues | None, lambda_first, lambda_self,
@@ -76,12 +68,15 @@ class ResFormerAttention(LlamaAttention):
         queries = self.q_proj(hidden_states)
         keys = self.k_proj(hidden_states)
         own_values = None  # SVFormer's layers n >= 1 have no v_proj: they attend over V_0
-        if self.v_proj is not None:
+        if self.value_role != REUSE:
             own_values = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         # main diff with Llama: the values this layer attends over, and what it hands on (`value_residual.py`)
-        value_states, residual_values = self.values(own_values, hidden_states, residual_values, lambda_first,
-                                                    lambda_self)
-        value_states = add_value_embedding(self, value_states, hidden_states, value_embedding_ids)  # value embeddings
+        value_states = own_values  # Llama's, where the layer neither reads nor hands on a value residual
+        if not self.attends_own_values:
+            value_states, residual_values = self.values(own_values, hidden_states, residual_values, lambda_first,
+                                                        lambda_self)
+        if self.has_value_embedding:
+            value_states = add_value_embedding(self, value_states, hidden_states, value_embedding_ids)
 
         if self.qk_norm is None:  # Llama's
             query_states = queries.view(hidden_shape).transpose(1, 2)
@@ -94,11 +89,12 @@ class ResFormerAttention(LlamaAttention):
             query_states, key_states = self.rotate(query_states, key_states, cos, sin)
 
         # With cross-layer attention, the next layer attends over these K and V: in the paged cache the tokens' own,
-        # which it updates the pages with as this layer does; elsewhere the cached ones this update returns.
-        next_keys_values = (key_states, value_states)
+        # which it updates the pages with as this layer does; elsewhere the cached ones this update returns. Other
+        # layers hand on none: the tokens' own K and V, kept, would outlive the cache's copies.
+        next_keys_values = (key_states, value_states) if self.hands_on_keys_values else (None, None)
         if cache is not None:
             key_states, value_states = update_cache(cache, key_states, value_states, self.layer_idx, kwargs)
-            if not is_paged_cache(cache):
+            if self.hands_on_keys_values and not is_paged_cache(cache):
                 next_keys_values = (key_states, value_states)
 
         implementation = self.config._attn_implementation

@@ -1,6 +1,6 @@
 """transformers' own building blocks for the facts of `architecture.py`: each base's RMSNorm, Gemma 3's scaled
 embeddings, a rotary embedding per layer type or in float32, reused as they are so that a converted model computes
-what its source computed, op for op, in every dtype. `rotation` is Llama's `apply_rotary_pos_emb`, or OLMo 2's where
+what its source computed, op for op, in every dtype. The rotation is Llama's `apply_rotary_pos_emb`, or OLMo 2's where
 RoPE runs in float32 (the same rotation, its result cast back to the queries' dtype).
 Copied next to `config.json` for `trust_remote_code`: imports only torch, transformers and sibling files.
 """
@@ -21,7 +21,7 @@ from transformers.models.olmo2 import modeling_olmo2
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm, Olmo2RotaryEmbedding
 from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
 
-from .architecture import rope_by_layer_type
+from .architecture import HEAD, SLIDING, rope_by_layer_type
 
 #: `rms_norm_type` -> transformers' RMSNorm of that model: `w·x̂` cast back first (Llama), `w·x̂` in float32 (OLMo 2),
 #: `(1 + w)·x̂` in float32 with w starting at zero (Gemma 3).
@@ -69,11 +69,22 @@ def init_base_block(module: nn.Module) -> None:
             init.copy_(getattr(module, f"{layer_type}_original_inv_freq"), inv_freq)
 
 
-def rotation(config):
-    """The function that applies RoPE to queries and keys: OLMo's casts back from float32, which costs two calls a
-    layer that every other base skips."""
-    return (modeling_olmo2 if config.rope_in_float32 else modeling_llama).apply_rotary_pos_emb
+def attach_base_attention(attention: nn.Module, config, layer_idx: int) -> None:
+    """An attention layer's facts of its base (`architecture.py`), read once as its value role is: q/k norms over each
+    head or the whole projection, RoPE or none (SmolLM3's NoPE layers), a sliding window, Gemma 3's score scale."""
+    attention.qk_norm, attention.q_norm, attention.k_norm = config.qk_norm, None, None
+    if attention.qk_norm is not None:
+        per_head = attention.qk_norm == HEAD
+        attention.q_norm = rms_norm(config, attention.head_dim * (1 if per_head else config.num_attention_heads))
+        if attention.k_proj is not None:  # a cross-layer-attention consumer's keys are its producer's, normed there
+            attention.k_norm = rms_norm(config, attention.head_dim * (1 if per_head else config.num_key_value_heads))
+    # OLMo's rotation casts its float32 result back to the queries' dtype: two calls a layer that other bases skip
+    rotate = (modeling_olmo2 if config.rope_in_float32 else modeling_llama).apply_rotary_pos_emb
+    attention.rotate = rotate if layer_idx not in (config.nope_layers or ()) else None
+    attention.sliding_window = config.sliding_window if config.attention_types[layer_idx] == SLIDING else None
+    if config.query_pre_attn_scalar is not None:
+        attention.scaling = float(config.query_pre_attn_scalar) ** -0.5
 
 
-__all__ = ["RMS_NORMS", "rotation", "init_base_block", "rms_norm", "rotary_embedding",
+__all__ = ["RMS_NORMS", "attach_base_attention", "init_base_block", "rms_norm", "rotary_embedding",
            "token_embedding"]

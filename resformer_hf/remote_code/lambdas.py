@@ -66,6 +66,7 @@ class ValueResidual(ExactBuffers):
             # Row r: receiver r's weights on the raw values V_0 .. V_{L-1}; columns after it unused.
             self.dense_weight_offset = nn.Parameter(torch.zeros(n, self.num_layers, dtype=torch.float32))
         self.register_exact_buffers()
+        self.fixed_lambdas = self.fixed_per_layer()  # the config's floats: made once, not at every forward
 
     def initial_buffers(self, device: torch.device, dtype: torch.dtype = torch.float32
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,8 +119,7 @@ class ValueResidual(ExactBuffers):
             layers[0] = (table[0].view(-1, 1, 1, 1, 1), None)
         return tuple(layers)
 
-    @property
-    def fixed_lambdas(self) -> tuple[tuple, ...]:
+    def fixed_per_layer(self) -> tuple[tuple, ...]:
         """`per_layer` where every λ is fixed: the ResFormer mix reads V_0 scaled once, by layer 0, for every receiver
         (layer 0: (λ_first, None); a receiver: (None, λ_self)); other roles read (λ_first, λ_self) themselves."""
         layers = []

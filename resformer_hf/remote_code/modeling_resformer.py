@@ -201,6 +201,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
         self.norm = rms_norm(config, config.hidden_size)
         self.rotary_emb = rotary_embedding(config)  # one per layer type where `rope_parameters` has one per type
         self.rope_by_layer_type = rope_by_layer_type(config)
+        self.attention_kinds = tuple(dict.fromkeys(config.attention_types))  # one mask and one RoPE for each
         self.value_residual = ValueResidual(config)
         self.depth_weighted_average = DepthWeightedAverage.for_config(config)  # DenseFormer only, else None
         self.gradient_checkpointing = False
@@ -244,15 +245,14 @@ class ResFormerModel(ResFormerPreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
 
         # One mask per layer type (`generate()` may hand them in made), one RoPE per type where each has its own
-        layer_types = set(self.config.attention_types)
         masks = attention_mask
         if not isinstance(masks, dict):
             masks = self.causal_masks(inputs_embeds, attention_mask, cache, position_ids)
         hidden_states = inputs_embeds
         if self.rope_by_layer_type:
-            rope = {kind: self.rotary_emb(hidden_states, position_ids, kind) for kind in layer_types}
+            rope = {kind: self.rotary_emb(hidden_states, position_ids, kind) for kind in self.attention_kinds}
         else:
-            rope = dict.fromkeys(layer_types, self.rotary_emb(hidden_states, position_ids=position_ids))
+            rope = dict.fromkeys(self.attention_kinds, self.rotary_emb(hidden_states, position_ids=position_ids))
         # one λ table for every layer, cast once to the values' dtype
         lambdas = self.value_residual.per_layer(compute_dtype(inputs_embeds), inputs_embeds.shape[1])
         residual_values = shared_keys = shared_values = None
@@ -279,7 +279,7 @@ class ResFormerModel(ResFormerPreTrainedModel):
         them. (A function of its own: a dict of these arguments kept in `forward` would keep the embeddings alive.)"""
         arguments = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=cache,
                          position_ids=position_ids)
-        return {kind: CAUSAL_MASKS[kind](**arguments) for kind in set(self.config.attention_types)}
+        return {kind: CAUSAL_MASKS[kind](**arguments) for kind in self.attention_kinds}
 
 
 @auto_docstring
