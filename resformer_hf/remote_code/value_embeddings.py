@@ -134,12 +134,10 @@ def attach_value_embedding(attention: nn.Module, config, layer_idx: int) -> None
 def add_value_embedding(attention: nn.Module, value_states: torch.Tensor, hidden_states: torch.Tensor,
                         token_ids: torch.Tensor | None) -> torch.Tensor:
     """`V' + 2·σ(W x̂[..., :C])·VE[token]` per kv head, from V' [B, H_kv, T, D] (H_kv: this rank's heads under tensor
-    parallelism), x̂ [B, T, hidden] and the token ids [B, T]; V' itself when the layer has no table. Out of place:
+    parallelism), x̂ [B, T, hidden] and the token ids [B, T], in a layer that has a table. Out of place:
     layer 0's V' may be a view of the V_0 it hands on. With gradient the rows are looked up again in backward (a
     checkpoint around the lookup, so every engine's module hooks see it) instead of kept: kept, they would be a
     V-sized tensor a layer beyond what Llama saves."""
-    if not attention.has_value_embedding:
-        return value_states
     if token_ids is None:
         raise ValueError(NEEDS_INPUT_IDS)
     gate = torch.sigmoid(attention.value_embedding_gate(hidden_states[..., : attention.value_embedding_channels]))
