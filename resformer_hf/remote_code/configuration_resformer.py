@@ -261,7 +261,7 @@ class ResFormerConfig(LlamaConfig):
 
     @property
     def key_value_sources(self) -> list[KeyValueSource]:
-        """For each layer, the layers whose cached keys and values it attends over (`key_value_sources.py`)."""
+        """For each layer, the layers whose cached keys and values it attends over (`cache_resformer.key_value_sources_of`)."""
         return key_value_sources_of(self)
 
     @property
