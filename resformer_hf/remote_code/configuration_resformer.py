@@ -261,7 +261,8 @@ class ResFormerConfig(LlamaConfig):
 
     @property
     def key_value_sources(self) -> list[KeyValueSource]:
-        """For each layer, the layers whose cached keys and values it attends over (`cache_resformer.key_value_sources_of`)."""
+        """For each layer, the layers whose cached keys and values it attends over
+        (`cache_resformer.key_value_sources_of`)."""
         return key_value_sources_of(self)
 
     @property
