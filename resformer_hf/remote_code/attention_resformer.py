@@ -142,7 +142,7 @@ class ResFormerAttention(LlamaAttention):
                                 mix=self.value_role == MIX_ALL, append=self.hands_on_values)
         if self.hands_on_values:  # layer 0: V_0, or λ_first·V_0 scaled once for every receiver (`hand_on`)
             return own, hand_on(own, lambda_first)
-        return own, residual_values  # a plain layer (or NeuTRENO's V_n)
+        return own, residual_values  # NeuTRENO: attends over V_n, corrects its output
 
 
 class ResFormerSharedKeysValuesAttention(ResFormerAttention):
